@@ -1,0 +1,131 @@
+"""Shared machinery of the probability mappings.
+
+Every mapping normalises the slices of ``x`` along ``dim``. The work happens on
+a 2-D ``[rows, n]`` view with the normalised dimension last, in float32 (or
+float64 for float64 input), and the result goes back to the caller's layout
+and dtype. Threshold mappings (sparsemax, entmax) find their threshold ``tau``
+on the few largest entries of each row only: the support of
+``relu(z - tau) ** beta`` lies among the top entries, and the solve on the top
+``K`` candidates is exact whenever its support is smaller than ``K``. Rows
+that need more candidates are solved again with four times as many, up to the
+whole row, so the answer is always exact and the common case reads ``x``
+once for ``topk`` and once to write the output.
+
+Masking convention: entries equal to ``-inf`` or at or below
+``torch.finfo(x.dtype).min`` are excluded (probability exactly 0); a slice
+whose entries are all excluded maps to zeros. NaN or ``+inf`` in a slice makes
+that slice NaN and leaves the others untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Solver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_input(x: torch.Tensor, dim: int) -> int:
+    """Validate ``x`` and return ``dim`` as a non-negative index."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("expected a tensor with at least one dimension, got a scalar")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor with {x.dim()} dimensions")
+    return dim % x.dim()
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_below(dtype: torch.dtype) -> float:
+    """Entries at or below this value (of the caller's dtype) are excluded."""
+    return torch.finfo(dtype).min
+
+
+def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size]:
+    """``[rows, n]`` working view of ``x`` with ``dim`` last, in the work dtype.
+
+    Half-precision inputs are upcast, and their masked entries become ``-inf``
+    (``finfo(float16).min`` is an ordinary number in float32).
+    """
+    moved = x.movedim(dim, -1)
+    shape = moved.shape
+    rows = moved.reshape(-1, shape[-1])
+    dtype = work_dtype(x.dtype)
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+        rows.masked_fill_(rows <= masked_below(x.dtype), float("-inf"))
+    return rows.contiguous(), shape
+
+
+def from_rows(rows: torch.Tensor, shape: torch.Size, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`to_rows`."""
+    return rows.to(dtype).reshape(shape).movedim(-1, dim)
+
+
+def row_alpha(alpha: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Per-row ``alpha`` as ``[rows, 1]`` for a tensor ``alpha`` broadcastable to ``x``."""
+    slice_shape = list(x.shape)
+    slice_shape[dim] = 1
+    try:
+        full = alpha.detach().expand(slice_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"alpha of shape {tuple(alpha.shape)} must broadcast to {tuple(slice_shape)} "
+            f"(the input's shape with size 1 along dim={dim})"
+        ) from None
+    return full.movedim(dim, -1).reshape(-1, 1).to(work_dtype(x.dtype))
+
+
+def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row_args: torch.Tensor):
+    """Row maximum ``m``, threshold ``tau - m`` and support size of each row (``[rows, 1]``).
+
+    ``solve(top, valid, *row_args)`` gets the top-``K`` entries of some rows,
+    sorted descending, in float64, with ``valid`` marking the non-masked ones,
+    and returns ``(tau - top_1, support_size)``; the answer is exact for a row
+    when its support size is below ``K`` (or ``K`` is the whole row). Working
+    relative to the maximum keeps float32 rounding of ``tau`` below an ulp of 1.
+    Fully masked rows get ``m = 0, tau = +inf`` (so ``relu(x - tau)`` is 0);
+    rows holding NaN or ``+inf`` get ``tau = NaN``.
+    """
+    n_rows, n = rows.shape
+    k = min(k0, n)
+    top = rows.topk(k, dim=-1).values.double()
+    valid = top > masked
+    tau, size = solve(top, valid, *row_args)
+    first = top[:, :1]
+    dead = first <= masked
+    tau = tau.masked_fill(dead, float("inf"))
+    tau = tau.masked_fill(torch.isnan(first) | (first == float("inf")), float("nan"))
+    shift = first.masked_fill(dead, 0.0).to(rows.dtype)
+    pending = (size >= k) & valid[:, :1]
+    while k < n and bool(pending.any()):
+        k = min(4 * k, n)
+        idx = pending.squeeze(1).nonzero().squeeze(1)
+        sub = rows.index_select(0, idx)
+        top = (sub.topk(k, dim=-1).values if k < n else sub.sort(dim=-1, descending=True).values).double()
+        t, s = solve(top, top > masked, *(a.index_select(0, idx) for a in row_args))
+        tau[idx], size[idx] = t, s
+        pending = torch.zeros_like(pending)
+        pending[idx] = s >= k
+    return shift, tau, size
+
+
+def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> torch.Tensor:
+    """Backward shared by sparsemax and entmax: the Jacobian is ``diag(s) - s s^T / sum(s)``.
+
+    With support weights ``s_i = p_i ** (2 - alpha)`` on the support (0 elsewhere:
+    the support indicator for sparsemax, ``sqrt(p)`` for 1.5-entmax),
+    ``dx = s * g - s * sum(s * g) / sum(s)``; with ``s = p`` it is softmax's backward.
+    """
+    sg = grad * weights
+    total = weights.sum(dim, keepdim=True)
+    mean = sg.sum(dim, keepdim=True) / total.masked_fill(total == 0, 1)
+    return sg.addcmul_(weights, mean, value=-1)

@@ -1,0 +1,204 @@
+"""alpha-entmax (Peters, Niculae & Martins, 2019, "Sparse Sequence-to-Sequence Models").
+
+``entmax_alpha(x) = argmax_{p in simplex} <p, x> + H_alpha(p)`` with the
+Tsallis entropy ``H_alpha(p) = (1 - sum_i p_i**alpha) / (alpha (alpha - 1))``;
+the solution is ``p_i = relu((alpha - 1) x_i - tau) ** (1 / (alpha - 1))`` with
+``tau`` such that ``sum(p) = 1``. alpha -> 1 gives softmax, alpha = 2 sparsemax.
+
+- ``entmax15`` (alpha = 1.5): ``p = relu(x/2 - tau)**2``. With ``z = x/2`` sorted
+  descending, ``z_j`` is in the support iff ``sum_{i<=j} (z_i - z_j)**2 < 1``; on
+  a support of size ``k``, ``tau = mean_k - sqrt(1/k - var_k)`` (exact).
+- ``entmax_bisect`` (any alpha > 1): safeguarded Newton on
+  ``h(tau) = ||relu(z - tau)||_beta - 1``, ``beta = 1/(alpha-1)``, bracketed in
+  ``[max z - 1, max z]``. For ``beta >= 1`` ``h`` is convex and decreasing, so
+  Newton from the left rises monotonically to the root, in one step when a
+  single entry dominates; outside that case a bisection step stands in.
+
+Backward: with ``s_i = p_i ** (2 - alpha)`` on the support,
+``dx = s * g - s * sum(s * g) / sum(s)``. For alpha, with ``s^ = s / sum(s)``
+and ``beta = 1 / (alpha - 1)``,
+``dp/dalpha = beta**2 (p - s^) - beta (p log p - s^ sum(p log p))``
+("Adaptively Sparse Transformers", Correia, Niculae & Martins, 2019).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from ._core import (
+    check_input,
+    from_rows,
+    masked_below,
+    row_alpha,
+    solve_on_top,
+    support_backward,
+    to_rows,
+    work_dtype,
+)
+
+CANDIDATES = 64  # top entries examined first; rows whose support is larger retry with more
+MAX_ITER = 100  # Newton/bisection steps when iterating to convergence (float64 bracket of width 1)
+TOLERANCE = 1e-13  # on tau - max z, which lies in [-1, 0]: far below float32 resolution
+FLOAT64_BELOW = 1.125  # alpha below this: the power 1/(alpha-1) > 8 amplifies float32 rounding
+
+
+def entmax15_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tau - z_1, support size)`` on ``z = x/2`` from the sorted top entries (float64)."""
+    z = ((top - top[:, :1]) * 0.5).masked_fill_(~valid, 0.0)
+    s1, s2 = z.cumsum(-1), (z * z).cumsum(-1)
+    j = torch.arange(1, z.shape[-1] + 1, dtype=z.dtype, device=z.device)
+    inside = (s2 - 2 * z * s1 + j * z * z < 1) & valid
+    size = inside.sum(-1, keepdim=True)
+    k = size.clamp_min(1).to(z.dtype)
+    at = (size - 1).clamp_min(0)
+    mean = s1.gather(-1, at) / k
+    var = s2.gather(-1, at) / k - mean * mean
+    return mean - (1 / k - var).clamp_min(0).sqrt(), size
+
+
+def bisect_solve(
+    top: torch.Tensor, valid: torch.Tensor, alpha: torch.Tensor, n_iter: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tau - z_1, support size)`` on ``z = (alpha - 1) x`` from the sorted top entries."""
+    am1 = alpha.double() - 1
+    beta = 1 / am1
+    z = ((top - top[:, :1]) * am1).masked_fill_(~valid, float("-inf"))
+    lo = torch.full_like(am1, -1.0)
+    hi = torch.zeros_like(am1)
+    tau = lo
+    for _ in range(MAX_ITER if n_iter is None else n_iter):
+        u = (z - tau).clamp_min_(0)
+        total = u.pow(beta).sum(-1, keepdim=True)
+        slope = torch.where(u > 0, u.pow(beta - 1), 0).sum(-1, keepdim=True)
+        norm = total.pow(am1)
+        h = norm - 1
+        above = h > 0
+        lo, hi = torch.where(above, tau, lo), torch.where(above, hi, tau)
+        newton = tau + h * (total / norm) / slope
+        step = torch.where((newton > lo) & (newton < hi), newton, (lo + hi) / 2)
+        step = torch.where(h == 0, tau, step)
+        converged = n_iter is None and bool(((step - tau).abs() <= TOLERANCE).all())
+        tau = step
+        if converged:
+            break
+    return tau, (z > tau).sum(-1, keepdim=True)
+
+
+def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1.5-entmax of each row and its support size: ``relu((x - m)/2 - (tau - m/2))**2``."""
+    top1, tau, size = solve_on_top(rows, entmax15_solve, CANDIDATES, masked)
+    out = torch.sub(rows, top1).mul_(0.5)
+    return out.sub_(tau.to(rows.dtype)).clamp_min_(0).square_(), size
+
+
+def entmax_bisect_rows(
+    rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and its support size."""
+    alpha_rows = alpha if isinstance(alpha, torch.Tensor) else torch.full((rows.shape[0], 1), float(alpha), dtype=torch.float64)
+    solve = functools.partial(bisect_solve, n_iter=n_iter)
+    top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked, alpha_rows.to(rows.device))
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.to(rows.dtype)
+    out = torch.sub(rows, top1).mul_(alpha - 1).sub_(tau.to(rows.dtype)).clamp_min_(0)
+    return out.pow_(1 / (alpha - 1)), size
+
+
+class Entmax15Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        rows, shape = to_rows(x, dim)
+        out = x.new_zeros(x.shape)
+        if rows.numel():
+            out = from_rows(entmax15_rows(rows, masked_below(x.dtype))[0], shape, dim, x.dtype)
+        ctx.dim = dim
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        dtype = work_dtype(grad.dtype)
+        return support_backward(grad.to(dtype), p.to(dtype).sqrt(), ctx.dim).to(grad.dtype), None
+
+
+class EntmaxBisectFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
+        rows, shape = to_rows(x, dim)
+        if isinstance(alpha, torch.Tensor):
+            alpha_rows = row_alpha(alpha, x, dim)
+            smallest = float(alpha_rows.min()) if alpha_rows.numel() else 2.0
+        else:
+            alpha_rows, smallest = alpha, alpha
+        if rows.dtype == torch.float32 and smallest < FLOAT64_BELOW:
+            rows = rows.double()
+            alpha_rows = alpha_rows.double() if isinstance(alpha_rows, torch.Tensor) else alpha_rows
+        out = x.new_zeros(x.shape)
+        if rows.numel():
+            p, _ = entmax_bisect_rows(rows, alpha_rows, masked_below(x.dtype), n_iter)
+            out = from_rows(p, shape, dim, x.dtype)
+        ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
+        ctx.save_for_backward(out, alpha if ctx.alpha_is_tensor else torch.tensor(float(alpha)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, alpha = ctx.saved_tensors
+        dtype = work_dtype(grad.dtype)
+        p, g, a = p.to(dtype), grad.to(dtype), alpha.to(dtype)
+        support = p > 0
+        weights = torch.where(support, p.pow(2 - a), 0)
+        d_alpha = None
+        if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
+            beta = 1 / (a - 1)
+            skewed = weights / weights.sum(ctx.dim, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+            plogp = torch.where(support, p * p.clamp_min(torch.finfo(dtype).tiny).log(), 0)
+            entropy_term = plogp.sum(ctx.dim, keepdim=True)
+            dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
+            d_alpha = (g * dp).sum(ctx.dim, keepdim=True).sum_to_size(alpha.shape).to(alpha.dtype)
+        dx = support_backward(g, weights, ctx.dim).to(grad.dtype)
+        return dx, d_alpha, None, None
+
+
+def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """1.5-entmax along ``dim``: ``p = relu(x/2 - tau)**2`` with ``sum(p) = 1`` (exact threshold).
+
+    Same masking and dtype conventions as :func:`sparsemax`.
+    Backward: ``dx = s*g - s*sum(s*g)/sum(s)`` with ``s = sqrt(p)``.
+    """
+    dim = check_input(x, dim)
+    return Entmax15Function.apply(x, dim)
+
+
+def entmax_bisect(
+    x: torch.Tensor, alpha: float | torch.Tensor = 1.5, dim: int = -1, n_iter: int | None = None
+) -> torch.Tensor:
+    """alpha-entmax along ``dim``: ``p = relu((alpha-1) x - tau)**(1/(alpha-1))``, ``sum(p) = 1``.
+
+    ``alpha`` is a float > 1 or a tensor broadcastable to ``x`` with size 1
+    along ``dim`` (one alpha per slice); a tensor ``alpha`` that requires grad
+    receives its gradient. ``n_iter=None`` iterates until ``tau`` is exact far
+    below float32 resolution; an integer runs exactly that many safeguarded
+    Newton steps on each candidate set.
+    """
+    dim = check_input(x, dim)
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.is_floating_point():
+            alpha = alpha.to(x.dtype if x.is_floating_point() else torch.float32)
+        if alpha.numel() and not bool((alpha > 1).all()):
+            raise ValueError("entmax_bisect needs alpha > 1 everywhere (alpha = 1 is softmax; use torch.softmax)")
+        if alpha.dim() > x.dim():
+            raise ValueError(f"alpha has {alpha.dim()} dimensions, more than the input's {x.dim()}")
+    elif isinstance(alpha, numbers.Real) and not isinstance(alpha, bool):
+        if not alpha > 1 or alpha == float("inf"):
+            raise ValueError(f"entmax_bisect needs a finite alpha > 1, got {alpha} (alpha = 1 is softmax)")
+        alpha = float(alpha)
+    else:
+        raise ValueError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    if n_iter is not None and (not isinstance(n_iter, int) or n_iter < 1):
+        raise ValueError(f"n_iter must be None or a positive integer, got {n_iter!r}")
+    return EntmaxBisectFunction.apply(x, alpha, dim, n_iter)

@@ -1,0 +1,71 @@
+"""Sparsemax (Martins & Astudillo, 2016, "From Softmax to Sparsemax").
+
+``sparsemax(x) = argmin_{p in simplex} ||p - x||^2 = relu(x - tau)`` with
+``tau`` such that the result sums to 1. On the entries sorted descending,
+``z_1 >= z_2 >= ...``, the support size is
+``k = max{j : 1 + j z_j > z_1 + ... + z_j}`` and ``tau = (z_1 + ... + z_k - 1) / k``.
+
+Jacobian on the support ``S``: ``I - 1 1^T / |S|``, so
+``dx = (g - mean_S(g)) * [i in S]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._core import check_input, from_rows, masked_below, solve_on_top, support_backward, to_rows
+
+CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
+
+
+def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tau - top_1, support size)`` from the sorted top entries of each row (float64).
+
+    ``tau`` is returned relative to the row maximum ``top_1``, where it lies in
+    ``[-1, 0)``: that keeps its rounding to float32 below one ulp of 1.
+    """
+    z = (top - top[:, :1]).masked_fill_(~valid, 0.0)
+    cumulative = z.cumsum(-1)
+    j = torch.arange(1, z.shape[-1] + 1, dtype=z.dtype, device=z.device)
+    size = ((1 + j * z > cumulative) & valid).sum(-1, keepdim=True)
+    tau = (cumulative.gather(-1, (size - 1).clamp_min(0)) - 1) / size.clamp_min(1)
+    return tau, size
+
+
+def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparsemax of each row and its support size: ``relu((x - top_1) - (tau - top_1))``."""
+    top1, tau, size = solve_on_top(rows, sparsemax_solve, CANDIDATES, masked)
+    out = torch.sub(rows, top1)
+    return out.sub_(tau.to(rows.dtype)).clamp_min_(0), size
+
+
+class SparsemaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        rows, shape = to_rows(x, dim)
+        if rows.numel() == 0:
+            out = x.new_zeros(x.shape)
+        else:
+            out = from_rows(sparsemax_rows(rows, masked_below(x.dtype))[0], shape, dim, x.dtype)
+        ctx.dim = dim
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        support = (p > 0).to(dtype)
+        return support_backward(grad.to(dtype), support, ctx.dim).to(grad.dtype), None
+
+
+def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sparsemax along ``dim``: the Euclidean projection of ``x`` onto the simplex.
+
+    ``p = relu(x - tau)`` with ``sum(p) = 1``; exact zeros outside the support.
+    Entries that are ``-inf`` or at most ``finfo(x.dtype).min`` get 0; a slice
+    with no other entry maps to zeros. Half-precision input is computed in
+    float32. Backward: ``dx = (g - mean_S(g)) * [p > 0]``.
+    """
+    dim = check_input(x, dim)
+    return SparsemaxFunction.apply(x, dim)
