@@ -19,6 +19,7 @@ that slice NaN and leaves the others untouched.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -57,7 +58,7 @@ def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size]:
     """
     moved = x.movedim(dim, -1)
     shape = moved.shape
-    rows = moved.reshape(-1, shape[-1])
+    rows = moved.reshape(math.prod(shape[:-1]), shape[-1])
     dtype = work_dtype(x.dtype)
     if rows.dtype != dtype:
         rows = rows.to(dtype)

@@ -30,6 +30,8 @@ def scaled_taylor(u: torch.Tensor, scale: torch.Tensor, order: int, degree: int)
 def taylor_rows(rows: torch.Tensor, order: int, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(p, f'(x) / Z)`` of each row of a ``[rows, n]`` tensor."""
     valid = rows > masked
+    if rows.numel() == 0:
+        return rows.clone(), rows.clone()
     scale = torch.where(valid, rows.abs(), 0).amax(-1, keepdim=True).clamp_min(1.0)
     scale = torch.where(torch.isnan(rows).any(-1, keepdim=True), float("nan"), scale)
     u = torch.where(valid, rows, 0) / scale

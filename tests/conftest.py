@@ -1,0 +1,9 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "60")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")
