@@ -25,6 +25,10 @@ MAPPINGS = {
         lambda x, d: hs.entmax_bisect(x, 1.7, d),
         lambda x, d: entmax.entmax_bisect(x, 1.7, d, n_iter=200),
     ),
+    "bisect25": (
+        lambda x, d: hs.entmax_bisect(x, 2.5, d),
+        lambda x, d: entmax.entmax_bisect(x.double(), 2.5, d, n_iter=200).to(x.dtype),
+    ),
     "sparse_softmax_k5": (lambda x, d: hs.sparse_softmax(x, d, top_k=5), None),
     "sparse_softmax_p": (lambda x, d: hs.sparse_softmax(x, d, top_p=0.8), None),
     "taylor2": (lambda x, d: hs.taylor_softmax(x, d), None),
@@ -45,7 +49,7 @@ def warped_softmax(x, top_k=None, top_p=None):
 # ---------------------------------------------------------------- references
 
 
-@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17"])
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17", "bisect25"])
 @pytest.mark.parametrize("shape", [(7, 5), (3, 4, 33), (2, 1000), (16, 4096)])
 @pytest.mark.parametrize("scale", [0.01, 1.0, 5.0])
 def test_matches_entmax_package_float32(name, shape, scale):
@@ -55,7 +59,7 @@ def test_matches_entmax_package_float32(name, shape, scale):
     assert (f(x, -1) - ref(x, -1)).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17"])
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17", "bisect25"])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e2, 1e4])
 def test_matches_entmax_package_float64_any_dim(name, scale):
     f, ref = MAPPINGS[name]

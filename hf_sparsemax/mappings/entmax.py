@@ -42,7 +42,7 @@ from ._core import (
 CANDIDATES = 64  # top entries examined first; rows whose support is larger retry with more
 MAX_ITER = 100  # Newton/bisection steps when iterating to convergence (float64 bracket of width 1)
 TOLERANCE = 1e-13  # on tau - max z, which lies in [-1, 0]: far below float32 resolution
-FLOAT64_BELOW = 1.125  # alpha below this: the power 1/(alpha-1) > 8 amplifies float32 rounding
+FLOAT32_ALPHAS = (1.125, 2.0)  # outside, the power 1/(alpha-1) amplifies float32 rounding: use float64
 
 
 def entmax15_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,32 +59,56 @@ def entmax15_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
     return mean - (1 / k - var).clamp_min(0).sqrt(), size
 
 
+def power(u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
+    """``u ** exponent`` on the support ``u > 0`` and 0 elsewhere, with fast paths for 0, 1, 2."""
+    if isinstance(exponent, torch.Tensor):
+        return torch.where(u > 0, u.pow(exponent), 0)
+    if exponent == 0:
+        return (u > 0).to(u.dtype)
+    return u if exponent == 1 else u * u if exponent == 2 else u.pow(exponent)
+
+
 def bisect_solve(
-    top: torch.Tensor, valid: torch.Tensor, alpha: torch.Tensor, n_iter: int | None
+    top: torch.Tensor, valid: torch.Tensor, alpha: float | torch.Tensor, n_iter: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tau - z_1, support size)`` on ``z = (alpha - 1) x`` from the sorted top entries."""
-    am1 = alpha.double() - 1
+    """``(tau - z_1, support size)`` on ``z = (alpha - 1) x`` from the sorted top entries.
+
+    ``alpha`` is a float or ``[rows, 1]``. Newton steps are taken where
+    ``beta >= 1`` (alpha <= 2: ``h`` convex) and land inside the bracket;
+    bisection otherwise.
+    """
+    am1 = alpha.double() - 1 if isinstance(alpha, torch.Tensor) else alpha - 1
     beta = 1 / am1
+    newton_rows = beta >= 1
     z = ((top - top[:, :1]) * am1).masked_fill_(~valid, float("-inf"))
-    lo = torch.full_like(am1, -1.0)
-    hi = torch.zeros_like(am1)
+    lo = torch.full_like(top[:, :1], -1.0)
+    hi = torch.zeros_like(lo)
     tau = lo
     for _ in range(MAX_ITER if n_iter is None else n_iter):
         u = (z - tau).clamp_min_(0)
-        total = u.pow(beta).sum(-1, keepdim=True)
-        slope = torch.where(u > 0, u.pow(beta - 1), 0).sum(-1, keepdim=True)
+        total = power(u, beta).sum(-1, keepdim=True)
         norm = total.pow(am1)
         h = norm - 1
         above = h > 0
         lo, hi = torch.where(above, tau, lo), torch.where(above, hi, tau)
-        newton = tau + h * (total / norm) / slope
-        step = torch.where((newton > lo) & (newton < hi), newton, (lo + hi) / 2)
-        step = torch.where(h == 0, tau, step)
+        step = (lo + hi) / 2
+        if bool(newton_rows if isinstance(newton_rows, bool) else newton_rows.any()):
+            slope = power(u, beta - 1).sum(-1, keepdim=True)
+            newton = tau + h * (total / norm) / slope
+            step = torch.where((newton >= lo) & (newton <= hi) & newton_rows, newton, step)
         converged = n_iter is None and bool(((step - tau).abs() <= TOLERANCE).all())
         tau = step
         if converged:
             break
     return tau, (z > tau).sum(-1, keepdim=True)
+
+
+def precise_in_float32(alpha: float | torch.Tensor) -> bool:
+    """Whether float32 keeps ``relu(u) ** (1/(alpha-1))`` within about 1e-7 for these alphas."""
+    low, high = FLOAT32_ALPHAS
+    if isinstance(alpha, torch.Tensor):
+        return bool(((alpha >= low) & (alpha <= high)).all())
+    return low <= alpha <= high
 
 
 def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,11 +122,13 @@ def entmax_bisect_rows(
     rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and its support size."""
-    alpha_rows = alpha if isinstance(alpha, torch.Tensor) else torch.full((rows.shape[0], 1), float(alpha), dtype=torch.float64)
-    solve = functools.partial(bisect_solve, n_iter=n_iter)
-    top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked, alpha_rows.to(rows.device))
     if isinstance(alpha, torch.Tensor):
+        solve = functools.partial(bisect_solve, n_iter=n_iter)
+        top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked, alpha.to(rows.device))
         alpha = alpha.to(rows.dtype)
+    else:
+        solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
+        top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked)
     out = torch.sub(rows, top1).mul_(alpha - 1).sub_(tau.to(rows.dtype)).clamp_min_(0)
     return out.pow_(1 / (alpha - 1)), size
 
@@ -129,12 +155,8 @@ class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
         rows, shape = to_rows(x, dim)
-        if isinstance(alpha, torch.Tensor):
-            alpha_rows = row_alpha(alpha, x, dim)
-            smallest = float(alpha_rows.min()) if alpha_rows.numel() else 2.0
-        else:
-            alpha_rows, smallest = alpha, alpha
-        if rows.dtype == torch.float32 and smallest < FLOAT64_BELOW:
+        alpha_rows = row_alpha(alpha, x, dim) if isinstance(alpha, torch.Tensor) else alpha
+        if rows.dtype == torch.float32 and rows.numel() and not precise_in_float32(alpha_rows):
             rows = rows.double()
             alpha_rows = alpha_rows.double() if isinstance(alpha_rows, torch.Tensor) else alpha_rows
         out = x.new_zeros(x.shape)
