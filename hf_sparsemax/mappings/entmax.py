@@ -35,6 +35,7 @@ from ._core import (
     row_alpha,
     solve_on_top,
     support_backward,
+    threshold_map,
     to_rows,
     work_dtype,
 )
@@ -60,12 +61,14 @@ def entmax15_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 
 
 def power(u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
-    """``u ** exponent`` on the support ``u > 0`` and 0 elsewhere, with fast paths for 0, 1, 2."""
-    if isinstance(exponent, torch.Tensor):
+    """``u ** exponent`` where ``u > 0`` and 0 elsewhere (``u >= 0``), with fast paths."""
+    if isinstance(exponent, torch.Tensor) or exponent < 0:
         return torch.where(u > 0, u.pow(exponent), 0)
     if exponent == 0:
         return (u > 0).to(u.dtype)
-    return u if exponent == 1 else u * u if exponent == 2 else u.pow(exponent)
+    if exponent in (0.5, 1, 2):
+        return u.sqrt() if exponent == 0.5 else u if exponent == 1 else u * u
+    return u.pow(exponent)
 
 
 def bisect_solve(
@@ -114,8 +117,7 @@ def precise_in_float32(alpha: float | torch.Tensor) -> bool:
 def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
     """1.5-entmax of each row and its support size: ``relu((x - m)/2 - (tau - m/2))**2``."""
     top1, tau, size = solve_on_top(rows, entmax15_solve, CANDIDATES, masked)
-    out = torch.sub(rows, top1).mul_(0.5)
-    return out.sub_(tau.to(rows.dtype)).clamp_min_(0).square_(), size
+    return threshold_map(rows, top1, tau, 0.5, 2), size
 
 
 def entmax_bisect_rows(
@@ -129,8 +131,7 @@ def entmax_bisect_rows(
     else:
         solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
         top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked)
-    out = torch.sub(rows, top1).mul_(alpha - 1).sub_(tau.to(rows.dtype)).clamp_min_(0)
-    return out.pow_(1 / (alpha - 1)), size
+    return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), size
 
 
 class Entmax15Function(torch.autograd.Function):
@@ -164,21 +165,21 @@ class EntmaxBisectFunction(torch.autograd.Function):
             p, _ = entmax_bisect_rows(rows, alpha_rows, masked_below(x.dtype), n_iter)
             out = from_rows(p, shape, dim, x.dtype)
         ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
-        ctx.save_for_backward(out, alpha if ctx.alpha_is_tensor else torch.tensor(float(alpha)))
+        ctx.save_for_backward(out, alpha if ctx.alpha_is_tensor else torch.tensor(float(alpha), dtype=torch.float64))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         p, alpha = ctx.saved_tensors
         dtype = work_dtype(grad.dtype)
-        p, g, a = p.to(dtype), grad.to(dtype), alpha.to(dtype)
-        support = p > 0
-        weights = torch.where(support, p.pow(2 - a), 0)
+        p, g = p.to(dtype), grad.to(dtype)
+        a = alpha.to(dtype) if ctx.alpha_is_tensor else float(alpha)
+        weights = power(p, 2 - a)
         d_alpha = None
         if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
             beta = 1 / (a - 1)
             skewed = weights / weights.sum(ctx.dim, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-            plogp = torch.where(support, p * p.clamp_min(torch.finfo(dtype).tiny).log(), 0)
+            plogp = torch.where(p > 0, p * p.clamp_min(torch.finfo(dtype).tiny).log(), 0)
             entropy_term = plogp.sum(ctx.dim, keepdim=True)
             dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
             d_alpha = (g * dp).sum(ctx.dim, keepdim=True).sum_to_size(alpha.shape).to(alpha.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_input, from_rows, masked_below, solve_on_top, support_backward, to_rows
+from ._core import check_input, from_rows, masked_below, solve_on_top, support_backward, threshold_map, to_rows
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -35,8 +35,7 @@ def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
 def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparsemax of each row and its support size: ``relu((x - top_1) - (tau - top_1))``."""
     top1, tau, size = solve_on_top(rows, sparsemax_solve, CANDIDATES, masked)
-    out = torch.sub(rows, top1)
-    return out.sub_(tau.to(rows.dtype)).clamp_min_(0), size
+    return threshold_map(rows, top1, tau), size
 
 
 class SparsemaxFunction(torch.autograd.Function):
