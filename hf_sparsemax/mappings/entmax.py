@@ -30,13 +30,12 @@ import torch
 
 from ._core import (
     check_input,
-    from_rows,
+    map_rows,
     masked_below,
     row_alpha,
     solve_on_top,
     support_backward,
     threshold_map,
-    to_rows,
     work_dtype,
 )
 
@@ -137,10 +136,7 @@ def entmax_bisect_rows(
 class Entmax15Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        rows, shape = to_rows(x, dim)
-        out = x.new_zeros(x.shape)
-        if rows.numel():
-            out = from_rows(entmax15_rows(rows, masked_below(x.dtype))[0], shape, dim, x.dtype)
+        out = map_rows(x, dim, lambda rows: entmax15_rows(rows, masked_below(x.dtype))[0])
         ctx.dim = dim
         ctx.save_for_backward(out)
         return out
@@ -155,15 +151,16 @@ class Entmax15Function(torch.autograd.Function):
 class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
-        rows, shape = to_rows(x, dim)
         alpha_rows = row_alpha(alpha, x, dim) if isinstance(alpha, torch.Tensor) else alpha
-        if rows.dtype == torch.float32 and rows.numel() and not precise_in_float32(alpha_rows):
-            rows = rows.double()
-            alpha_rows = alpha_rows.double() if isinstance(alpha_rows, torch.Tensor) else alpha_rows
-        out = x.new_zeros(x.shape)
-        if rows.numel():
-            p, _ = entmax_bisect_rows(rows, alpha_rows, masked_below(x.dtype), n_iter)
-            out = from_rows(p, shape, dim, x.dtype)
+        upcast = x.dtype != torch.float64 and not precise_in_float32(alpha_rows)
+
+        def rows_fn(rows: torch.Tensor) -> torch.Tensor:
+            a = alpha_rows.to(rows.device) if isinstance(alpha_rows, torch.Tensor) else alpha_rows
+            if upcast:
+                rows, a = rows.double(), a.double() if isinstance(a, torch.Tensor) else a
+            return entmax_bisect_rows(rows, a, masked_below(x.dtype), n_iter)[0]
+
+        out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
         ctx.save_for_backward(out, alpha if ctx.alpha_is_tensor else torch.tensor(float(alpha), dtype=torch.float64))
         return out

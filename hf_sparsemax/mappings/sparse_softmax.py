@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from ._core import check_input, from_rows, masked_below, support_backward, to_rows, work_dtype
+from ._core import check_input, map_rows, masked_below, support_backward, work_dtype
 
 NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone; more when the nucleus is larger
 
@@ -81,10 +81,7 @@ def sparse_softmax_rows(rows: torch.Tensor, top_k: int | None, top_p: float | No
 class SparseSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, top_k: int | None, top_p: float | None) -> torch.Tensor:
-        rows, shape = to_rows(x, dim)
-        out = x.new_zeros(x.shape)
-        if rows.numel():
-            out = from_rows(sparse_softmax_rows(rows, top_k, top_p, masked_below(x.dtype)), shape, dim, x.dtype)
+        out = map_rows(x, dim, lambda rows: sparse_softmax_rows(rows, top_k, top_p, masked_below(x.dtype)))
         ctx.dim = dim
         ctx.save_for_backward(out)
         return out

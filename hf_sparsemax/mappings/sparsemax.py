@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_input, from_rows, masked_below, solve_on_top, support_backward, threshold_map, to_rows
+from ._core import check_input, map_rows, masked_below, solve_on_top, support_backward, threshold_map
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -41,11 +41,7 @@ def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, tor
 class SparsemaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        rows, shape = to_rows(x, dim)
-        if rows.numel() == 0:
-            out = x.new_zeros(x.shape)
-        else:
-            out = from_rows(sparsemax_rows(rows, masked_below(x.dtype))[0], shape, dim, x.dtype)
+        out = map_rows(x, dim, lambda rows: sparsemax_rows(rows, masked_below(x.dtype))[0])
         ctx.dim = dim
         ctx.save_for_backward(out)
         return out
