@@ -10,6 +10,15 @@ from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import hf_sparsemax as hs
+from hf_sparsemax.mappings import _core
+
+
+@pytest.fixture(params=["whole-row Newton", "top candidates"], autouse=True)
+def threshold_path(request, monkeypatch):
+    """Every test runs on both threshold solvers: short rows take the first, long rows the second."""
+    if request.param == "top candidates":
+        monkeypatch.setattr(_core, "SHORT_ROWS", 0)
+    return request.param
 
 MASKED = [float("-inf"), torch.finfo(torch.float32).min]
 
@@ -69,7 +78,7 @@ def test_matches_entmax_package_float64_any_dim(name, scale):
         assert (f(x, dim) - ref(x, dim)).abs().max() <= 1e-10
 
 
-@pytest.mark.parametrize("shape", [(4, 1000), (2, 3, 70)])
+@pytest.mark.parametrize("shape", [(4, 1000), (2, 3, 70), (2, 3000)])
 def test_support_larger_than_first_candidates(shape):
     """Rows whose support exceeds the first top-K candidates are solved again, exactly."""
     torch.manual_seed(0)

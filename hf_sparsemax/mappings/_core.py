@@ -24,6 +24,9 @@ from typing import Callable
 
 import torch
 
+SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
+DENSE_MAX_ITER = 50
+DENSE_TOLERANCE = 1e-7  # on tau - max z, in [-1, 0]: float32 resolution of the passes
 CHUNK_ELEMENTS = 1 << 20  # rows are finished in blocks of ~4 MiB so the passes after the first hit cache
 
 Solver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -127,6 +130,59 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
         pending = torch.zeros_like(pending)
         pending[idx] = s >= k
     return shift.contiguous(), tau.contiguous(), size  # a strided [rows, 1] operand slows broadcasting 5x
+
+
+def dense_solve(rows: torch.Tensor, alpha: float, masked: float):
+    """Same contract as :func:`solve_on_top`, by Newton passes over whole (short) rows.
+
+    ``torch.topk`` costs several softmaxes on short rows; a pass over a block
+    of rows in cache costs a fraction of one. Newton on
+    ``h(tau) = ||relu(z - tau)||_beta - 1`` from ``tau = max z - 1`` rises
+    monotonically to the root (for alpha = 2 it is Michelot's algorithm) and
+    stops once no row's ``tau`` moves by more than float32 resolution. Needs
+    ``1 < alpha <= 2`` with ``beta = 1/(alpha-1)`` moderate. Works on
+    ``d = x - max``: ``u' = relu(d - tau / (alpha - 1))``, ``u = (alpha - 1) u'``.
+    """
+    step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    parts = [dense_solve_block(rows[i : i + step], alpha, masked) for i in range(0, rows.shape[0], step)]
+    return tuple(torch.cat(column) for column in zip(*parts))
+
+
+def dense_solve_block(rows: torch.Tensor, alpha: float, masked: float):
+    am1, beta = alpha - 1, 1 / (alpha - 1)
+    top1 = rows.amax(-1, keepdim=True)
+    dead = top1 <= masked
+    shift = top1.masked_fill(dead, 0.0)
+    d = torch.sub(rows, shift)
+    tau = torch.full_like(shift, -1.0, dtype=torch.float64)
+    u, work = torch.empty_like(rows), torch.empty_like(rows)
+    tolerance = 4 * torch.finfo(rows.dtype).eps * am1
+    for _ in range(DENSE_MAX_ITER):
+        torch.sub(d, (tau / am1).to(rows.dtype), out=u).clamp_min_(0)
+        if beta == 1:
+            total, slope = u.sum(-1, keepdim=True), torch.sign(u, out=work).sum(-1, keepdim=True)
+        elif beta == 2:
+            total, slope = torch.linalg.vector_norm(u, 2, -1, keepdim=True).square_(), u.sum(-1, keepdim=True)
+        else:
+            total = torch.pow(u, beta, out=work).sum(-1, keepdim=True)
+            slope = torch.pow(u, beta - 1, out=work).sum(-1, keepdim=True)
+        total, slope = total.double() * am1**beta, slope.double() * am1 ** (beta - 1)
+        norm = total.pow(am1)
+        step = (norm - 1) * (total / norm) / slope
+        step = step.masked_fill_(dead | ~torch.isfinite(step), 0.0)
+        tau = tau + step
+        if bool((step.abs() <= tolerance).all()):
+            break
+    size = torch.sign(torch.sub(d, (tau / am1).to(rows.dtype), out=u).clamp_min_(0), out=work).sum(-1, keepdim=True)
+    tau = tau.masked_fill(dead, float("inf")).masked_fill(torch.isnan(top1) | (top1 == float("inf")), float("nan"))
+    return shift, tau, size.long()
+
+
+def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):
+    """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
+    if rows.shape[-1] <= SHORT_ROWS and not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
+        return dense_solve(rows, alpha, masked)
+    return solve_on_top(rows, solve, k0, masked, *row_args)
 
 
 def threshold_map(

@@ -33,6 +33,7 @@ from ._core import (
     map_rows,
     masked_below,
     row_alpha,
+    find_threshold,
     solve_on_top,
     support_backward,
     threshold_map,
@@ -115,7 +116,7 @@ def precise_in_float32(alpha: float | torch.Tensor) -> bool:
 
 def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
     """1.5-entmax of each row and its support size: ``relu((x - m)/2 - (tau - m/2))**2``."""
-    top1, tau, size = solve_on_top(rows, entmax15_solve, CANDIDATES, masked)
+    top1, tau, size = find_threshold(rows, masked, 1.5, entmax15_solve, CANDIDATES)
     return threshold_map(rows, top1, tau, 0.5, 2), size
 
 
@@ -125,9 +126,12 @@ def entmax_bisect_rows(
     """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and its support size."""
     if isinstance(alpha, torch.Tensor):
         solve = functools.partial(bisect_solve, n_iter=n_iter)
-        top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked, alpha.to(rows.device))
+        top1, tau, size = find_threshold(rows, masked, alpha, solve, CANDIDATES, alpha.to(rows.device))
         alpha = alpha.to(rows.dtype)
-    else:
+    elif n_iter is None:
+        solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
+        top1, tau, size = find_threshold(rows, masked, alpha, solve, CANDIDATES)
+    else:  # a fixed number of steps on the candidate sets, as documented
         solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
         top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked)
     return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), size

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_input, map_rows, masked_below, solve_on_top, support_backward, threshold_map
+from ._core import check_input, map_rows, masked_below, find_threshold, support_backward, threshold_map
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -34,7 +34,7 @@ def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
 
 def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparsemax of each row and its support size: ``relu((x - top_1) - (tau - top_1))``."""
-    top1, tau, size = solve_on_top(rows, sparsemax_solve, CANDIDATES, masked)
+    top1, tau, size = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
     return threshold_map(rows, top1, tau), size
 
 
