@@ -1,7 +1,33 @@
 """hf_sparsemax: sparse attention, sparse training losses and matching decoding for transformers."""
 
+from .losses import (
+    Entmax15Loss,
+    EntmaxBisectLoss,
+    SparsemaxLoss,
+    SparseSoftmaxLoss,
+    entmax15_loss,
+    entmax_bisect_loss,
+    mapping_loss,
+    sparse_softmax_loss,
+    sparsemax_loss,
+)
 from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor_softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["entmax15", "entmax_bisect", "sparse_softmax", "sparsemax", "taylor_softmax"]
+__all__ = [
+    "Entmax15Loss",
+    "EntmaxBisectLoss",
+    "SparseSoftmaxLoss",
+    "SparsemaxLoss",
+    "entmax15",
+    "entmax15_loss",
+    "entmax_bisect",
+    "entmax_bisect_loss",
+    "mapping_loss",
+    "sparse_softmax",
+    "sparse_softmax_loss",
+    "sparsemax",
+    "sparsemax_loss",
+    "taylor_softmax",
+]

@@ -115,26 +115,26 @@ def precise_in_float32(alpha: float | torch.Tensor) -> bool:
 
 
 def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1.5-entmax of each row and its support size: ``relu((x - m)/2 - (tau - m/2))**2``."""
-    top1, tau, size = find_threshold(rows, masked, 1.5, entmax15_solve, CANDIDATES)
-    return threshold_map(rows, top1, tau, 0.5, 2), size
+    """1.5-entmax of each row and ``tau - max(x)/2``: ``p = relu((x - max)/2 - (tau - max/2))**2``."""
+    top1, tau, _ = find_threshold(rows, masked, 1.5, entmax15_solve, CANDIDATES)
+    return threshold_map(rows, top1, tau, 0.5, 2), tau
 
 
 def entmax_bisect_rows(
     rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and its support size."""
+    """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and ``tau - (alpha-1) max(x)``."""
     if isinstance(alpha, torch.Tensor):
         solve = functools.partial(bisect_solve, n_iter=n_iter)
-        top1, tau, size = find_threshold(rows, masked, alpha, solve, CANDIDATES, alpha.to(rows.device))
+        top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES, alpha.to(rows.device))
         alpha = alpha.to(rows.dtype)
     elif n_iter is None:
         solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
-        top1, tau, size = find_threshold(rows, masked, alpha, solve, CANDIDATES)
+        top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES)
     else:  # a fixed number of steps on the candidate sets, as documented
         solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
-        top1, tau, size = solve_on_top(rows, solve, CANDIDATES, masked)
-    return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), size
+        top1, tau, _ = solve_on_top(rows, solve, CANDIDATES, masked)
+    return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), tau
 
 
 class Entmax15Function(torch.autograd.Function):

@@ -33,9 +33,9 @@ def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
 
 
 def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparsemax of each row and its support size: ``relu((x - top_1) - (tau - top_1))``."""
-    top1, tau, size = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
-    return threshold_map(rows, top1, tau), size
+    """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``."""
+    top1, tau, _ = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
+    return threshold_map(rows, top1, tau), tau
 
 
 class SparsemaxFunction(torch.autograd.Function):

@@ -1,0 +1,280 @@
+"""Sparse training losses whose gradient is ``p - onehot(target)`` for a sparse ``p``.
+
+- ``sparse_softmax_loss`` (Su Jianlin, 2020): ``logsumexp(x[Omega]) - x[t]``
+  with ``Omega`` the kept set of :func:`~hf_sparsemax.sparse_softmax`.
+- Fenchel-Young losses of alpha-entmax (Blondel, Martins & Niculae, 2020,
+  "Learning with Fenchel-Young Losses"):
+  ``L = (p - e_t) . x + H_alpha(p)``, ``H_alpha(p) = (1 - sum p**alpha) / (alpha (alpha - 1))``,
+  ``p = entmax_alpha(x)``; ``L >= 0``, zero iff ``p = e_t``; alpha = 2 is the
+  sparsemax loss ``1/2 - x_t + 1/2 sum_S (x_i**2 - tau**2)``.
+  On the support ``(alpha - 1) x_i - tau = p_i**(alpha - 1)``, so
+  ``p . x = max x + (tau' + sum p**alpha) / (alpha - 1)`` with ``tau'`` the
+  threshold relative to the maximum: no pass over ``x`` beyond the mapping's.
+  By the envelope theorem ``dL/dalpha = dH_alpha(p)/dalpha`` at fixed ``p``.
+- ``mapping_loss``: for any mapping ``p(x)``, ``(stop_gradient(p) - e_t) . x``
+  has gradient ``p - e_t``: a training signal for a new mapping for free (its
+  value is not a quality measure; report cross-entropy or accuracy beside it).
+
+All take logits ``[..., C]`` and targets ``[...]``; items whose target is
+``ignore_index`` contribute 0 and get no gradient; ``reduction`` is ``"mean"``
+(over the counted items, 0 with zero gradient when there are none), ``"sum"``
+or ``"none"``. Losses are float32 (float64 for float64 logits). Nothing here
+synchronises with the device except target validation on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .mappings._core import masked_below
+from .mappings.entmax import entmax15_rows, entmax_bisect_rows, precise_in_float32
+from .mappings.sparse_softmax import check_top, sparse_softmax_rows
+from .mappings.sparsemax import sparsemax_rows
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_loss_args(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise ValueError("logits must be a floating-point tensor of shape [..., num_classes]")
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError("target must be an integer tensor of class indices")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without its last dim, "
+                         f"{tuple(logits.shape[:-1])}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def safe_target(target: torch.Tensor, num_classes: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target with ignored items set to 0, kept mask)``; out-of-range targets raise on CPU."""
+    target = target.reshape(-1).long()
+    kept = target != ignore_index
+    if target.device.type == "cpu" and bool(((target < 0) | (target >= num_classes))[kept].any()):
+        raise ValueError(f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}")
+    return torch.where(kept, target, 0), kept
+
+
+class SparseLossFunction(torch.autograd.Function):
+    """Per-item loss and its gradient ``(p - e_t) * grad`` for one mapping (``items_fn``).
+
+    ``items_fn(rows, target)`` returns ``(p, loss per item)`` on the ``[N, C]``
+    float rows; ``alpha`` (a tensor or None) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, kept, alpha, items_fn):
+        rows = logits.reshape(-1, logits.shape[-1])
+        rows = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        p, items = items_fn(rows, target)
+        items = torch.where(kept, items, 0.0)
+        ctx.save_for_backward(p, target, kept, alpha)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return items
+
+    @staticmethod
+    def backward(ctx, grad_items):
+        p, target, kept, alpha = ctx.saved_tensors
+        g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
+        dx = p * g
+        dx.scatter_add_(-1, target.unsqueeze(-1), -g)
+        d_alpha = None
+        if alpha is not None and ctx.needs_input_grad[3]:
+            d_alpha = tsallis_alpha_grad(p, alpha.reshape(-1, 1).to(p.dtype)).squeeze(-1) * g.squeeze(-1)
+            d_alpha = d_alpha.reshape(-1, 1).sum_to_size(alpha.reshape(-1, 1).shape).reshape(alpha.shape)
+        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, d_alpha, None
+
+
+def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``d/dalpha (1 - sum p**alpha) / (alpha (alpha - 1))`` at fixed ``p``, per row."""
+    support = p > 0
+    p_alpha = torch.where(support, p.pow(alpha), 0)
+    s = p_alpha.sum(-1, keepdim=True)
+    s_log = torch.where(support, p_alpha * p.clamp_min(torch.finfo(p.dtype).tiny).log(), 0).sum(-1, keepdim=True)
+    denom = alpha * (alpha - 1)
+    return (-s_log * denom - (1 - s) * (2 * alpha - 1)) / (denom * denom)
+
+
+def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
+    """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum."""
+    top = rows.amax(-1, keepdim=True)
+    sum_p_alpha = p.square().sum(-1, keepdim=True) if isinstance(alpha, float) and alpha == 2 else (
+        p * p.pow(alpha - 1)).sum(-1, keepdim=True)
+    p_dot_x = (tau.to(p.dtype) + sum_p_alpha) / (alpha - 1)
+    entropy = (1 - sum_p_alpha) / (alpha * (alpha - 1))
+    x_t = rows.gather(-1, target.unsqueeze(-1)) - top
+    return (p_dot_x + entropy - x_t).squeeze(-1).clamp_min(0)
+
+
+def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return items.reshape(target_shape)
+    total = items.sum()
+    return total if reduction == "sum" else total / kept.sum().clamp_min(1)
+
+
+def run_loss(logits, target, ignore_index, reduction, items_fn, alpha=None) -> torch.Tensor:
+    check_loss_args(logits, target, reduction)
+    safe, kept = safe_target(target, logits.shape[-1], ignore_index)
+    if logits.numel() == 0:
+        out = logits.new_zeros(target.shape, dtype=torch.float32)
+        return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
+    items = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn)
+    return reduce(items, kept, target.shape, reduction)
+
+
+def sparse_softmax_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Sparse softmax cross-entropy: ``logsumexp(x[Omega]) - x[t]``; gradient ``sparse_softmax(x) - e_t``.
+
+    ``Omega`` is what top-k then top-p decoding keeps (see :func:`~hf_sparsemax.sparse_softmax`);
+    the target is not forced into ``Omega``. Neither option: plain cross-entropy.
+    """
+    top_k, top_p = check_top(top_k, top_p)
+    masked = masked_below(logits.dtype)
+
+    def items_fn(rows, t):
+        p = sparse_softmax_rows(rows, top_k, top_p, masked)
+        p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
+        return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn)
+
+
+def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Sparsemax (Fenchel-Young) loss ``1/2 - x_t + 1/2 sum_S (x_i**2 - tau**2)``; gradient ``sparsemax(x) - e_t``."""
+    masked = masked_below(logits.dtype)
+
+    def items_fn(rows, t):
+        p, tau = sparsemax_rows(rows, masked)
+        return p, fenchel_young_items(p, tau, 2.0, rows, t)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn)
+
+
+def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """1.5-entmax Fenchel-Young loss ``(p - e_t) . x + H_1.5(p)``; gradient ``entmax15(x) - e_t``."""
+    masked = masked_below(logits.dtype)
+
+    def items_fn(rows, t):
+        p, tau = entmax15_rows(rows, masked)
+        return p, fenchel_young_items(p, tau, 1.5, rows, t)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn)
+
+
+def entmax_bisect_loss(
+    logits, target, alpha: float | torch.Tensor = 1.5, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """alpha-entmax Fenchel-Young loss ``(p - e_t) . x + H_alpha(p)``; gradient ``p - e_t``.
+
+    ``alpha`` is a float > 1 or a tensor broadcastable to ``target``'s shape
+    (one alpha per item, or one for all); a tensor that requires grad gets
+    ``dL/dalpha = dH_alpha(p)/dalpha``.
+    """
+    masked = masked_below(logits.dtype)
+    alpha_tensor = None
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() and not bool((alpha > 1).all()):
+            raise ValueError("entmax_bisect_loss needs alpha > 1 everywhere")
+        try:
+            per_item = alpha.detach().to(torch.float64).expand(target.shape).reshape(-1, 1)
+        except RuntimeError:
+            raise ValueError(f"alpha of shape {tuple(alpha.shape)} must broadcast to target shape "
+                             f"{tuple(target.shape)}") from None
+        alpha_tensor = alpha
+    elif isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and 1 < alpha < float("inf"):
+        per_item = float(alpha)
+    else:
+        raise ValueError(f"entmax_bisect_loss needs a finite alpha > 1, got {alpha!r}")
+
+    def items_fn(rows, t):
+        a = per_item.to(rows.device) if isinstance(per_item, torch.Tensor) else per_item
+        work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
+        a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
+        p, tau = entmax_bisect_rows(work, a_work, masked)
+        return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t).to(rows.dtype)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor)
+
+
+def mapping_loss(
+    logits, target, mapping: Callable[[torch.Tensor], torch.Tensor], ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``(stop_gradient(p) - e_t) . x`` with ``p = mapping(x)`` along the last dim: gradient ``p - e_t``.
+
+    A training loss for any mapping; the value is not comparable across
+    mappings (it can be negative), so log a quality metric beside it.
+    """
+
+    def items_fn(rows, t):
+        with torch.no_grad():
+            p = mapping(rows).to(rows.dtype)
+        top = rows.amax(-1, keepdim=True)
+        shifted = torch.where(p > 0, rows - top, 0)
+        return p, (p * shifted).sum(-1) - (rows.gather(-1, t.unsqueeze(-1)) - top).squeeze(-1)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn)
+
+
+class _LossModule(nn.Module):
+    loss_fn: Callable = None
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", **options):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.ignore_index, self.reduction, self.options = ignore_index, reduction, options
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return type(self).loss_fn(logits, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                                  **self.options)
+
+    def extra_repr(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}{options}"
+
+
+class SparseSoftmaxLoss(_LossModule):
+    """Module form of :func:`sparse_softmax_loss`."""
+
+    loss_fn = staticmethod(sparse_softmax_loss)
+
+    def __init__(self, top_k=None, top_p=None, ignore_index: int = -100, reduction: str = "mean"):
+        check_top(top_k, top_p)
+        super().__init__(ignore_index, reduction, top_k=top_k, top_p=top_p)
+
+
+class SparsemaxLoss(_LossModule):
+    """Module form of :func:`sparsemax_loss`."""
+
+    loss_fn = staticmethod(sparsemax_loss)
+
+
+class Entmax15Loss(_LossModule):
+    """Module form of :func:`entmax15_loss`."""
+
+    loss_fn = staticmethod(entmax15_loss)
+
+
+class EntmaxBisectLoss(_LossModule):
+    """Module form of :func:`entmax_bisect_loss`; a tensor ``alpha`` (e.g. a Parameter) is learned."""
+
+    loss_fn = staticmethod(entmax_bisect_loss)
+
+    def __init__(self, alpha: float | torch.Tensor = 1.5, ignore_index: int = -100, reduction: str = "mean"):
+        super().__init__(ignore_index, reduction)
+        self.alpha = alpha
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return entmax_bisect_loss(logits, target, self.alpha, self.ignore_index, self.reduction)
