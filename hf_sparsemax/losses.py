@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mappings._core import masked_below
+from .mappings._core import masked_below, to_rows
 from .mappings.entmax import entmax15_rows, entmax_bisect_rows, precise_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
 from .mappings.sparsemax import sparsemax_rows
@@ -62,15 +62,14 @@ def safe_target(target: torch.Tensor, num_classes: int, ignore_index: int) -> tu
 class SparseLossFunction(torch.autograd.Function):
     """Per-item loss and its gradient ``(p - e_t) * grad`` for one mapping (``items_fn``).
 
-    ``items_fn(rows, target)`` returns ``(p, loss per item)`` on the ``[N, C]``
+    ``items_fn(rows, target, masked)`` returns ``(p, loss per item)`` on the ``[N, C]``
     float rows; ``alpha`` (a tensor or None) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
     """
 
     @staticmethod
     def forward(ctx, logits, target, kept, alpha, items_fn):
-        rows = logits.reshape(-1, logits.shape[-1])
-        rows = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
-        p, items = items_fn(rows, target)
+        rows, _ = to_rows(logits, logits.dim() - 1)
+        p, items = items_fn(rows, target, masked_below(logits.dtype))
         items = torch.where(kept, items, 0.0)
         ctx.save_for_backward(p, target, kept, alpha)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
@@ -141,9 +140,8 @@ def sparse_softmax_loss(
     the target is not forced into ``Omega``. Neither option: plain cross-entropy.
     """
     top_k, top_p = check_top(top_k, top_p)
-    masked = masked_below(logits.dtype)
 
-    def items_fn(rows, t):
+    def items_fn(rows, t, masked):
         p = sparse_softmax_rows(rows, top_k, top_p, masked)
         p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
         return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
@@ -153,9 +151,8 @@ def sparse_softmax_loss(
 
 def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Sparsemax (Fenchel-Young) loss ``1/2 - x_t + 1/2 sum_S (x_i**2 - tau**2)``; gradient ``sparsemax(x) - e_t``."""
-    masked = masked_below(logits.dtype)
 
-    def items_fn(rows, t):
+    def items_fn(rows, t, masked):
         p, tau = sparsemax_rows(rows, masked)
         return p, fenchel_young_items(p, tau, 2.0, rows, t)
 
@@ -164,9 +161,8 @@ def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "m
 
 def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """1.5-entmax Fenchel-Young loss ``(p - e_t) . x + H_1.5(p)``; gradient ``entmax15(x) - e_t``."""
-    masked = masked_below(logits.dtype)
 
-    def items_fn(rows, t):
+    def items_fn(rows, t, masked):
         p, tau = entmax15_rows(rows, masked)
         return p, fenchel_young_items(p, tau, 1.5, rows, t)
 
@@ -182,7 +178,6 @@ def entmax_bisect_loss(
     (one alpha per item, or one for all); a tensor that requires grad gets
     ``dL/dalpha = dH_alpha(p)/dalpha``.
     """
-    masked = masked_below(logits.dtype)
     alpha_tensor = None
     if isinstance(alpha, torch.Tensor):
         if alpha.numel() and not bool((alpha > 1).all()):
@@ -198,7 +193,7 @@ def entmax_bisect_loss(
     else:
         raise ValueError(f"entmax_bisect_loss needs a finite alpha > 1, got {alpha!r}")
 
-    def items_fn(rows, t):
+    def items_fn(rows, t, masked):
         a = per_item.to(rows.device) if isinstance(per_item, torch.Tensor) else per_item
         work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
         a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
@@ -217,7 +212,7 @@ def mapping_loss(
     mappings (it can be negative), so log a quality metric beside it.
     """
 
-    def items_fn(rows, t):
+    def items_fn(rows, t, masked):
         with torch.no_grad():
             p = mapping(rows).to(rows.dtype)
         top = rows.amax(-1, keepdim=True)
