@@ -11,12 +11,16 @@ from .losses import (
     sparse_softmax_loss,
     sparsemax_loss,
 )
+from .patch import compute_loss_func, patch_model, unpatch_model
 from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor_softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Entmax15Loss",
+    "compute_loss_func",
+    "patch_model",
+    "unpatch_model",
     "EntmaxBisectLoss",
     "SparseSoftmaxLoss",
     "SparsemaxLoss",

@@ -273,3 +273,54 @@ class EntmaxBisectLoss(_LossModule):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return entmax_bisect_loss(logits, target, self.alpha, self.ignore_index, self.reduction)
+
+
+# name -> (functional loss, its options); the single table patch_model, compute_loss_func and the CLI read
+LOSS_FUNCTIONS = {
+    "sparse_softmax": sparse_softmax_loss,
+    "sparsemax": sparsemax_loss,
+    "entmax15": entmax15_loss,
+    "entmax_bisect": entmax_bisect_loss,
+}
+LOSS_OPTIONS = {"sparse_softmax": ("top_k", "top_p"), "sparsemax": (), "entmax15": (), "entmax_bisect": ("alpha",)}
+
+
+def make_loss(name: str, **options) -> Callable[..., torch.Tensor]:
+    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a loss name and its options."""
+    if name not in LOSS_FUNCTIONS:
+        raise ValueError(f"unknown loss {name!r}: choose one of {list(LOSS_FUNCTIONS)}")
+    unknown = sorted(set(options) - set(LOSS_OPTIONS[name]))
+    if unknown:
+        raise ValueError(f"{unknown} are not options of loss {name!r}; it takes {list(LOSS_OPTIONS[name]) or 'none'}")
+    if name == "sparse_softmax":
+        check_top(options.get("top_k"), options.get("top_p"))
+    if name == "entmax_bisect":
+        alpha = options.get("alpha", 1.5)
+        if isinstance(alpha, bool) or not isinstance(alpha, (numbers.Real, torch.Tensor)):
+            raise ValueError(f"alpha must be a float > 1, got {alpha!r}")
+        if not isinstance(alpha, torch.Tensor) and not 1 < alpha < float("inf"):
+            raise ValueError(f"alpha must be a finite float > 1, got {alpha!r}")
+    fn = LOSS_FUNCTIONS[name]
+
+    def loss(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+        return fn(logits, target, ignore_index=ignore_index, reduction=reduction, **options)
+
+    loss.__name__ = f"{name}_loss"
+    return loss
+
+
+def loss_mapping(name: str, **options) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The distribution a loss trains, as a mapping over the last dim (cross-entropy: softmax).
+
+    Evaluation metrics and decoding use it, so they see what training saw.
+    """
+    from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax
+
+    if name == "cross_entropy":
+        return lambda x: sparse_softmax(x)
+    make_loss(name, **options)  # validates
+    if name == "sparse_softmax":
+        return lambda x: sparse_softmax(x, top_k=options.get("top_k"), top_p=options.get("top_p"))
+    if name == "entmax_bisect":
+        return lambda x: entmax_bisect(x, options.get("alpha", 1.5))
+    return {"sparsemax": sparsemax, "entmax15": entmax15}[name]

@@ -1,0 +1,179 @@
+"""``patch_model`` / ``unpatch_model``: swap a transformers model's loss (and keep the choice in its config).
+
+The loss swap uses transformers' own hook, ``model.loss_function`` (a setter
+exists), never a new ``loss_type`` nor a replaced ``LOSS_MAPPING`` entry:
+Trainer's ``num_items_in_batch`` counting keeps recognising the causal-LM
+label shift. Instances are patched, never classes, and every patch is undone
+by ``unpatch_model``. Everything is validated before anything is changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .losses import make_loss
+from .settings import CONFIG_KEY, SparseSettings
+
+TASKS = {  # transformers loss_type -> task of the head
+    "ForCausalLM": "causal_lm",
+    "ForConditionalGeneration": "causal_lm",
+    "ForSequenceClassification": "sequence_classification",
+    "ForTokenClassification": "token_classification",
+    "ForMaskedLM": "token_classification",
+}
+
+
+def base_model(model) -> nn.Module:
+    """The transformers model inside a peft ``PeftModel`` (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    if not hasattr(inner, "config") or not hasattr(inner, "loss_type"):
+        raise ValueError(f"expected a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}")
+    return inner
+
+
+def model_task(model) -> str:
+    task = TASKS.get(getattr(model, "loss_type", None))
+    if task is None or not routes_loss_function(model):
+        raise ValueError(
+            f"{type(model).__name__} (loss_type={getattr(model, 'loss_type', None)!r}) does not route its loss "
+            f"through model.loss_function for a supported head ({sorted(set(TASKS.values()))}); for such models "
+            "pass hf_sparsemax.compute_loss_func(...) to Trainer(compute_loss_func=...)"
+        )
+    return task
+
+
+def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: torch.Tensor) -> torch.Tensor:
+    """``sum / num_items_in_batch`` (Trainer's exact gradient accumulation) or the mean over counted items."""
+    if num_items_in_batch is None:
+        return loss_sum / fallback_count.clamp_min(1)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+    return loss_sum / num_items_in_batch
+
+
+def routes_loss_function(model) -> bool:
+    """Whether the model's forward calls ``self.loss_function`` (else it hard-codes its loss)."""
+    forward = inspect.unwrap(type(model).forward)
+    return "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
+
+
+def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[..., torch.Tensor]:
+    """A ``loss_function`` with transformers' calling conventions for one head type."""
+
+    def summed(logits, labels, num_items_in_batch, ignore):
+        labels = labels.reshape(-1).to(logits.device)
+        total = loss(logits.reshape(-1, logits.shape[-1]), labels, ignore_index=ignore, reduction="sum")
+        return reduce_items(total, num_items_in_batch, (labels != ignore).sum())
+
+    if task == "causal_lm":
+
+        def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=ignore_index,
+                           shift_labels=None, **kwargs):
+            if shift_labels is None:
+                shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            return summed(logits, shift_labels, num_items_in_batch, ignore_index)
+
+        return causal_lm_loss
+
+    if task == "sequence_classification":
+
+        def sequence_classification_loss(logits=None, labels=None, pooled_logits=None, config=None,
+                                         num_items_in_batch=None, ignore_index=ignore_index, **kwargs):
+            scores = pooled_logits if pooled_logits is not None else logits
+            problem = getattr(config, "problem_type", None)
+            if problem not in (None, "single_label_classification") or scores.shape[-1] < 2 or labels.is_floating_point():
+                raise ValueError(
+                    f"sparse losses need single-label classification with >= 2 labels (got problem_type={problem!r}, "
+                    f"{scores.shape[-1]} labels)"
+                )
+            return summed(scores, labels, num_items_in_batch, ignore_index)
+
+        return sequence_classification_loss
+
+    def token_classification_loss(logits, labels, config=None, num_items_in_batch=None, vocab_size=None,
+                                  ignore_index=ignore_index, **kwargs):
+        return summed(logits, labels, num_items_in_batch, ignore_index)
+
+    return token_classification_loss
+
+
+def patch_model(
+    model,
+    attn: str | None = None,
+    loss: str | None = None,
+    *,
+    attn_options: dict[str, Any] | None = None,
+    loss_options: dict[str, Any] | None = None,
+):
+    """Swap the loss of a transformers model (or peft model) in place and return it.
+
+    ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
+    ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
+    ``"entmax_bisect"`` (``alpha``). With no ``attn`` / ``loss`` the settings
+    saved in ``model.config`` are re-applied. Settings are stored in
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``.
+    """
+    inner = base_model(model)
+    if attn is None and loss is None and not attn_options and not loss_options:
+        settings = SparseSettings.from_config(inner.config)
+        if settings is None:
+            return model
+    else:
+        previous = SparseSettings.from_config(inner.config) or SparseSettings()
+        settings = SparseSettings(
+            attn=attn if attn is not None else previous.attn,
+            attn_options=attn_options if attn is not None or attn_options else previous.attn_options,
+            loss=loss if loss is not None else previous.loss,
+            loss_options=loss_options if loss is not None or loss_options else previous.loss_options,
+        )
+    loss_function = None
+    if settings.loss not in (None, "cross_entropy"):
+        loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
+    # validated: now change the model
+    if loss_function is not None:
+        inner.loss_function = loss_function
+    elif "_loss_function" in vars(inner):
+        del inner._loss_function
+    if settings.is_default:
+        if hasattr(inner.config, CONFIG_KEY):
+            delattr(inner.config, CONFIG_KEY)
+    else:
+        setattr(inner.config, CONFIG_KEY, settings.to_dict())
+    return model
+
+
+def unpatch_model(model):
+    """Undo :func:`patch_model`: the model's own loss, and no hf_sparsemax settings in its config."""
+    inner = base_model(model)
+    if "_loss_function" in vars(inner):
+        del inner._loss_function
+    if hasattr(inner.config, CONFIG_KEY):
+        delattr(inner.config, CONFIG_KEY)
+    return model
+
+
+def compute_loss_func(loss: str, task: str = "causal_lm", ignore_index: int = -100, **loss_options):
+    """A ``Trainer(compute_loss_func=...)`` callable for heads that hard-code cross-entropy.
+
+    Called by Trainer as ``fn(outputs, labels, num_items_in_batch=...)`` with
+    unshifted labels; returns ``sum / num_items_in_batch`` so gradient
+    accumulation is exact. ``task``: ``"causal_lm"`` (labels shifted),
+    ``"sequence_classification"`` or ``"token_classification"``.
+    """
+    if task not in ("causal_lm", "sequence_classification", "token_classification"):
+        raise ValueError(f"task must be causal_lm, sequence_classification or token_classification, got {task!r}")
+    head_loss = task_loss(task, make_loss(loss, **loss_options), ignore_index)
+
+    def compute(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if task == "sequence_classification":
+            return head_loss(logits=logits, labels=labels, num_items_in_batch=num_items_in_batch)
+        return head_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+
+    compute.__name__ = f"{loss}_{task}_loss"
+    return compute

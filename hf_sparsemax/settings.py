@@ -1,0 +1,77 @@
+"""The choices a user made, as a small validated object kept in ``model.config``.
+
+Saved by ``save_pretrained`` inside ``config.json`` under ``hf_sparsemax``
+(sorted keys, with the library version), read back by ``patch_model(model)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from .losses import LOSS_OPTIONS
+
+CONFIG_KEY = "hf_sparsemax"
+ATTENTIONS = ("softmax",)  # sparse attention implementations join this list when they are registered
+
+
+@dataclasses.dataclass
+class SparseSettings:
+    """``attn`` / ``loss`` names and their options; ``None`` or the defaults mean "as the model was"."""
+
+    attn: str | None = None
+    attn_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    loss: str | None = None
+    loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.attn_options = dict(self.attn_options or {})
+        self.loss_options = dict(self.loss_options or {})
+        if self.attn not in (None, *ATTENTIONS):
+            raise ValueError(
+                f"attn={self.attn!r} is not available: choose one of {list(ATTENTIONS)} "
+                "(sparse attention implementations are not part of this release yet)"
+            )
+        if self.attn_options and self.attn in (None, "softmax"):
+            raise ValueError(f"attn_options {self.attn_options} given without a sparse attn")
+        if self.loss not in (None, "cross_entropy", *LOSS_OPTIONS):
+            raise ValueError(
+                f"loss={self.loss!r} is unknown: choose one of {['cross_entropy', *LOSS_OPTIONS]}"
+            )
+        allowed = LOSS_OPTIONS.get(self.loss, ())
+        unknown = sorted(set(self.loss_options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"loss_options {unknown} are not options of loss={self.loss!r}; it takes {list(allowed) or 'none'}"
+            )
+        if self.loss in LOSS_OPTIONS:
+            from .losses import make_loss
+
+            make_loss(self.loss, **self.loss_options)  # validates the option values
+
+    @property
+    def is_default(self) -> bool:
+        return self.attn in (None, "softmax") and self.loss in (None, "cross_entropy")
+
+    def to_dict(self) -> dict[str, Any]:
+        from . import __version__
+
+        data = dataclasses.asdict(self)
+        data["attn_options"] = dict(sorted(self.attn_options.items()))
+        data["loss_options"] = dict(sorted(self.loss_options.items()))
+        data["version"] = __version__
+        return dict(sorted(data.items()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SparseSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - {"version"})
+        if unknown:
+            warnings.warn(f"hf_sparsemax settings: ignoring unknown keys {unknown}", stacklevel=2)
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_config(cls, config) -> "SparseSettings | None":
+        data = getattr(config, CONFIG_KEY, None)
+        return None if data is None else cls.from_dict(dict(data))
