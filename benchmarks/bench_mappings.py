@@ -11,12 +11,10 @@ drift. Prints a Markdown table of median milliseconds and ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 
 import hf_sparsemax as hs
+from common import interleaved_medians
 
 SHAPES = {"vocab": (2048, 49152), "attention": (2, 9, 512, 512)}
 
@@ -42,34 +40,23 @@ def contenders(with_package: bool):
     return rows, package
 
 
-def timed(fn, x, backward: bool) -> float:
-    if backward:
-        x = x.detach().requires_grad_()
-    start = time.perf_counter()
-    out = fn(x)
-    if backward:
-        out.backward(torch.ones_like(out))
-    return time.perf_counter() - start
-
-
 def run(shape, repeats: int, with_package: bool, backward: bool):
     torch.manual_seed(0)
     x = torch.randn(shape)
     rows, package = contenders(with_package)
     fns = {name: fn for name, fn, _ in rows}
     fns.update({f"entmax pkg {name}": fn for name, fn in package.items()})
-    times = {name: [] for name in fns}
-    slow = set()
-    for round_ in range(repeats + 1):  # round 0 warms up
-        for name, fn in fns.items():
-            if name in slow and round_ > 1:
-                continue
-            t = timed(fn, x, backward)
-            if round_:
-                times[name].append(t)
-            if t > 5.0:  # the package's slow paths: two timed rounds are enough
-                slow.add(name)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}, rows
+
+    def call(fn):
+        def once():
+            inp = x.detach().requires_grad_() if backward else x
+            out = fn(inp)
+            if backward:
+                out.backward(torch.ones_like(out))
+
+        return once
+
+    return interleaved_medians({name: call(fn) for name, fn in fns.items()}, repeats), rows
 
 
 def main() -> None:
