@@ -11,6 +11,13 @@ from .losses import (
     sparse_softmax_loss,
     sparsemax_loss,
 )
+from .generation import (
+    EntmaxLogitsProcessor,
+    SparsemaxLogitsProcessor,
+    SparseSoftmaxLogitsProcessor,
+    decoding_report,
+    logits_processors,
+)
 from .patch import compute_loss_func, patch_model, unpatch_model
 from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor_softmax
 
@@ -18,6 +25,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Entmax15Loss",
+    "EntmaxLogitsProcessor",
+    "SparsemaxLogitsProcessor",
+    "SparseSoftmaxLogitsProcessor",
+    "decoding_report",
+    "logits_processors",
     "compute_loss_func",
     "patch_model",
     "unpatch_model",

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .generation import install_matched_generate, remove_matched_generate
 from .losses import make_loss
 from .settings import CONFIG_KEY, SparseSettings
 
@@ -116,7 +117,9 @@ def patch_model(
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
     ``"entmax_bisect"`` (``alpha``). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
-    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``.
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
+    LM's ``generate(do_sample=True)`` then samples from the distribution the
+    loss trains (see :mod:`hf_sparsemax.generation`).
     """
     inner = base_model(model)
     if attn is None and loss is None and not attn_options and not loss_options:
@@ -135,8 +138,11 @@ def patch_model(
     if settings.loss not in (None, "cross_entropy"):
         loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
     # validated: now change the model
+    remove_matched_generate(inner)
     if loss_function is not None:
         inner.loss_function = loss_function
+        if model_task(inner) == "causal_lm" and hasattr(inner, "generate"):
+            install_matched_generate(inner)
     elif "_loss_function" in vars(inner):
         del inner._loss_function
     if settings.is_default:
@@ -150,6 +156,7 @@ def patch_model(
 def unpatch_model(model):
     """Undo :func:`patch_model`: the model's own loss, and no hf_sparsemax settings in its config."""
     inner = base_model(model)
+    remove_matched_generate(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
