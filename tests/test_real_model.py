@@ -99,3 +99,18 @@ def test_lora_on_a_patched_model_trains_and_reports_metrics(smollm2, fortunes_sp
     assert 0 < report["eval_accuracy"] < 1 and 1 <= report["eval_support_size"] <= 10
     assert 0 < report["eval_zero_prob_share"] < 1 and report["eval_cross_entropy"] == float("inf")
     assert report["eval_epsilon_perplexity"] > 1 and 0 < report["eval_jensen_shannon"] < 0.7
+
+
+@pytest.mark.parametrize("loss,options", [("entmax15", {}), ("sparse_softmax", {"top_k": 10})])
+def test_smollm2_matched_sampling(smollm2, loss, options):
+    model, tokenizer, initial = smollm2
+    model.load_state_dict(initial)
+    hs.patch_model(model, loss=loss, loss_options=options)
+    report = hs.decoding_report(model, tokenizer, ["The secret of a happy life is", "Murphy's law says"],
+                                max_new_tokens=16)
+    hs.unpatch_model(model)
+    assert report["zero_prob_share"] == 0 and report["tokens"] >= 16
+    assert all(len(text.split()) >= 3 for text in report["texts"]), report["texts"]
+    unmatched = hs.decoding_report(model, tokenizer, ["The secret of a happy life is"], max_new_tokens=16,
+                                   loss="sparse_softmax", loss_options={"top_k": 3}, matched=False, top_k=50)
+    assert unmatched["mean_truncated_mass"] >= 0 and unmatched["mean_support_size"] == 3

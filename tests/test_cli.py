@@ -1,0 +1,44 @@
+"""The hf-sparsemax command: decoding-report, and one-line errors with exit code 2."""
+
+import json
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from hf_sparsemax import cli
+
+
+def tiny_folder(tmp_path):
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<s>", *"abcdefghijklmnopqrstuvwxyz"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_decoding_report_command(tmp_path, capsys):
+    folder = tiny_folder(tmp_path)
+    code = cli.main(["decoding-report", "--model", folder, "--loss", "sparse_softmax", "--loss-option", "top_k=4",
+                     "--prompt", "hello", "--max-new-tokens", "6"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["zero_prob_share"] == 0 and report["mean_support_size"] == 4 and report["matched"]
+    code = cli.main(["decoding-report", "--model", folder, "--loss", "sparse_softmax", "--loss-option", "top_k=2",
+                     "--decode-option", "top_k=20", "--prompt", "hello", "--max-new-tokens", "12"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and not report["matched"] and report["zero_prob_share"] > 0
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
+    folder = tiny_folder(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["decoding-report", "--model", folder, "--loss", "focal", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-sparsemax: error:") and "\n" not in err
+    assert cli.main(["decoding-report", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
