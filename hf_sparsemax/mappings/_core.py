@@ -227,3 +227,24 @@ def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> tor
     total = weights.sum(dim, keepdim=True)
     mean = sg.sum(dim, keepdim=True) / total.masked_fill(total == 0, 1)
     return sg.addcmul_(weights, mean, value=-1)
+
+
+class SupportMapping(torch.autograd.Function):
+    """A mapping whose Jacobian ``diag(s) - s s^T / sum(s)`` depends on its output only, ``s = weights_fn(p)``.
+
+    ``rows_fn(rows, masked)`` computes the mapping of ``[rows, n]`` float rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, rows_fn, weights_fn) -> torch.Tensor:
+        out = map_rows(x, dim, lambda rows: rows_fn(rows, masked_below(x.dtype)))
+        ctx.dim, ctx.weights_fn = dim, weights_fn
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        dtype = work_dtype(grad.dtype)
+        dx = support_backward(grad.to(dtype), ctx.weights_fn(p.to(dtype)), ctx.dim)
+        return dx.to(grad.dtype), None, None, None

@@ -29,6 +29,7 @@ import numbers
 import torch
 
 from ._core import (
+    SupportMapping,
     check_input,
     map_rows,
     masked_below,
@@ -137,21 +138,6 @@ def entmax_bisect_rows(
     return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), tau
 
 
-class Entmax15Function(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        out = map_rows(x, dim, lambda rows: entmax15_rows(rows, masked_below(x.dtype))[0])
-        ctx.dim = dim
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (p,) = ctx.saved_tensors
-        dtype = work_dtype(grad.dtype)
-        return support_backward(grad.to(dtype), p.to(dtype).sqrt(), ctx.dim).to(grad.dtype), None
-
-
 class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
@@ -195,7 +181,7 @@ def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Backward: ``dx = s*g - s*sum(s*g)/sum(s)`` with ``s = sqrt(p)``.
     """
     dim = check_input(x, dim)
-    return Entmax15Function.apply(x, dim)
+    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked)[0], torch.sqrt)
 
 
 def entmax_bisect(

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from ._core import check_input, map_rows, masked_below, support_backward, work_dtype
+from ._core import SupportMapping, check_input
 
 NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone; more when the nucleus is larger
 
@@ -78,21 +78,6 @@ def sparse_softmax_rows(rows: torch.Tensor, top_k: int | None, top_p: float | No
     return out
 
 
-class SparseSoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, top_k: int | None, top_p: float | None) -> torch.Tensor:
-        out = map_rows(x, dim, lambda rows: sparse_softmax_rows(rows, top_k, top_p, masked_below(x.dtype)))
-        ctx.dim = dim
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (p,) = ctx.saved_tensors
-        dtype = work_dtype(grad.dtype)
-        return support_backward(grad.to(dtype), p.to(dtype), ctx.dim).to(grad.dtype), None, None, None
-
-
 def sparse_softmax(
     x: torch.Tensor, dim: int = -1, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
@@ -104,4 +89,4 @@ def sparse_softmax(
     """
     dim = check_input(x, dim)
     top_k, top_p = check_top(top_k, top_p)
-    return SparseSoftmaxFunction.apply(x, dim, top_k, top_p)
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparse_softmax_rows(rows, top_k, top_p, masked), lambda p: p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_input, map_rows, masked_below, find_threshold, support_backward, threshold_map
+from ._core import SupportMapping, check_input, find_threshold, threshold_map
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -38,20 +38,8 @@ def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, tor
     return threshold_map(rows, top1, tau), tau
 
 
-class SparsemaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        out = map_rows(x, dim, lambda rows: sparsemax_rows(rows, masked_below(x.dtype))[0])
-        ctx.dim = dim
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (p,) = ctx.saved_tensors
-        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        support = (p > 0).to(dtype)
-        return support_backward(grad.to(dtype), support, ctx.dim).to(grad.dtype), None
+def support_indicator(p: torch.Tensor) -> torch.Tensor:
+    return (p > 0).to(p.dtype)
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -63,4 +51,4 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     float32. Backward: ``dx = (g - mean_S(g)) * [p > 0]``.
     """
     dim = check_input(x, dim)
-    return SparsemaxFunction.apply(x, dim)
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked)[0], support_indicator)
