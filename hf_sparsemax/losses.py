@@ -101,8 +101,10 @@ def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
     """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum."""
     top = rows.amax(-1, keepdim=True)
-    sum_p_alpha = p.square().sum(-1, keepdim=True) if isinstance(alpha, float) and alpha == 2 else (
-        p * p.pow(alpha - 1)).sum(-1, keepdim=True)
+    if isinstance(alpha, torch.Tensor):
+        sum_p_alpha = (p * p.pow(alpha - 1)).sum(-1, keepdim=True)
+    else:  # sum p**alpha without a [N, C] temporary
+        sum_p_alpha = torch.linalg.vector_norm(p, ord=alpha, dim=-1, keepdim=True).pow(alpha)
     p_dot_x = (tau.to(p.dtype) + sum_p_alpha) / (alpha - 1)
     entropy = (1 - sum_p_alpha) / (alpha * (alpha - 1))
     x_t = rows.gather(-1, target.unsqueeze(-1)) - top
