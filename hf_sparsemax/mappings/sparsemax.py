@@ -39,7 +39,7 @@ def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, tor
 
 
 def support_indicator(p: torch.Tensor) -> torch.Tensor:
-    return (p > 0).to(p.dtype)
+    return torch.sign(p)  # p >= 0: the indicator of p > 0 in one float pass
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
