@@ -24,14 +24,13 @@ synchronises with the device except target validation on CPU tensors.
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .mappings._core import masked_below, to_rows
-from .mappings.entmax import entmax15_rows, entmax_bisect_rows, precise_in_float32
+from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, precise_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
 from .mappings.sparsemax import sparsemax_rows
 
@@ -180,20 +179,17 @@ def entmax_bisect_loss(
     (one alpha per item, or one for all); a tensor that requires grad gets
     ``dL/dalpha = dH_alpha(p)/dalpha``.
     """
+    alpha = check_alpha(alpha)
     alpha_tensor = None
     if isinstance(alpha, torch.Tensor):
-        if alpha.numel() and not bool((alpha > 1).all()):
-            raise ValueError("entmax_bisect_loss needs alpha > 1 everywhere")
         try:
             per_item = alpha.detach().to(torch.float64).expand(target.shape).reshape(-1, 1)
         except RuntimeError:
             raise ValueError(f"alpha of shape {tuple(alpha.shape)} must broadcast to target shape "
                              f"{tuple(target.shape)}") from None
         alpha_tensor = alpha
-    elif isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and 1 < alpha < float("inf"):
-        per_item = float(alpha)
     else:
-        raise ValueError(f"entmax_bisect_loss needs a finite alpha > 1, got {alpha!r}")
+        per_item = alpha
 
     def items_fn(rows, t, masked):
         a = per_item.to(rows.device) if isinstance(per_item, torch.Tensor) else per_item
@@ -297,11 +293,7 @@ def make_loss(name: str, **options) -> Callable[..., torch.Tensor]:
     if name == "sparse_softmax":
         check_top(options.get("top_k"), options.get("top_p"))
     if name == "entmax_bisect":
-        alpha = options.get("alpha", 1.5)
-        if isinstance(alpha, bool) or not isinstance(alpha, (numbers.Real, torch.Tensor)):
-            raise ValueError(f"alpha must be a float > 1, got {alpha!r}")
-        if not isinstance(alpha, torch.Tensor) and not 1 < alpha < float("inf"):
-            raise ValueError(f"alpha must be a finite float > 1, got {alpha!r}")
+        check_alpha(options.get("alpha", 1.5))
     fn = LOSS_FUNCTIONS[name]
 
     def loss(logits, target, ignore_index: int = -100, reduction: str = "mean"):

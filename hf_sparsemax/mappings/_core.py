@@ -98,6 +98,12 @@ def row_alpha(alpha: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
     return full.movedim(dim, -1).reshape(-1, 1).to(work_dtype(x.dtype))
 
 
+def mark_special_rows(tau: torch.Tensor, top1: torch.Tensor, masked: float) -> torch.Tensor:
+    """``tau = +inf`` for fully masked rows (output 0) and NaN for rows whose maximum is NaN or ``+inf``."""
+    tau = tau.masked_fill(top1 <= masked, float("inf"))
+    return tau.masked_fill(torch.isnan(top1) | (top1 == float("inf")), float("nan"))
+
+
 def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row_args: torch.Tensor):
     """Row maximum ``m``, threshold ``tau - m`` and support size of each row (``[rows, 1]``).
 
@@ -115,10 +121,8 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     valid = top > masked
     tau, size = solve(top, valid, *row_args)
     first = top[:, :1]
-    dead = first <= masked
-    tau = tau.masked_fill(dead, float("inf"))
-    tau = tau.masked_fill(torch.isnan(first) | (first == float("inf")), float("nan"))
-    shift = first.masked_fill(dead, 0.0).to(rows.dtype)
+    tau = mark_special_rows(tau, first, masked)
+    shift = first.masked_fill(first <= masked, 0.0).to(rows.dtype)
     pending = (size >= k) & valid[:, :1]
     while k < n and bool(pending.any()):
         k = min(4 * k, n)
@@ -174,8 +178,7 @@ def dense_solve_block(rows: torch.Tensor, alpha: float, masked: float):
         if bool((step.abs() <= tolerance).all()):
             break
     size = torch.sign(torch.sub(d, (tau / am1).to(rows.dtype), out=u).clamp_min_(0), out=work).sum(-1, keepdim=True)
-    tau = tau.masked_fill(dead, float("inf")).masked_fill(torch.isnan(top1) | (top1 == float("inf")), float("nan"))
-    return shift, tau, size.long()
+    return shift, mark_special_rows(tau, top1, masked), size.long()
 
 
 def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):

@@ -174,6 +174,21 @@ class EntmaxBisectFunction(torch.autograd.Function):
         return dx, d_alpha, None, None
 
 
+def check_alpha(alpha: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> float | torch.Tensor:
+    """Validate alpha (a real > 1, or a tensor of them); return a float or a floating tensor."""
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.is_floating_point():
+            alpha = alpha.to(dtype if dtype.is_floating_point else torch.float32)
+        if alpha.numel() and not bool((alpha > 1).all()):
+            raise ValueError("alpha must be > 1 everywhere (alpha = 1 is softmax; use torch.softmax)")
+        return alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise ValueError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    if not 1 < alpha < float("inf"):
+        raise ValueError(f"alpha must be a finite float > 1, got {alpha!r} (alpha = 1 is softmax)")
+    return float(alpha)
+
+
 def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """1.5-entmax along ``dim``: ``p = relu(x/2 - tau)**2`` with ``sum(p) = 1`` (exact threshold).
 
@@ -196,19 +211,9 @@ def entmax_bisect(
     Newton steps on each candidate set.
     """
     dim = check_input(x, dim)
-    if isinstance(alpha, torch.Tensor):
-        if not alpha.is_floating_point():
-            alpha = alpha.to(x.dtype if x.is_floating_point() else torch.float32)
-        if alpha.numel() and not bool((alpha > 1).all()):
-            raise ValueError("entmax_bisect needs alpha > 1 everywhere (alpha = 1 is softmax; use torch.softmax)")
-        if alpha.dim() > x.dim():
-            raise ValueError(f"alpha has {alpha.dim()} dimensions, more than the input's {x.dim()}")
-    elif isinstance(alpha, numbers.Real) and not isinstance(alpha, bool):
-        if not alpha > 1 or alpha == float("inf"):
-            raise ValueError(f"entmax_bisect needs a finite alpha > 1, got {alpha} (alpha = 1 is softmax)")
-        alpha = float(alpha)
-    else:
-        raise ValueError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    alpha = check_alpha(alpha, x.dtype)
+    if isinstance(alpha, torch.Tensor) and alpha.dim() > x.dim():
+        raise ValueError(f"alpha has {alpha.dim()} dimensions, more than the input's {x.dim()}")
     if n_iter is not None and (not isinstance(n_iter, int) or n_iter < 1):
         raise ValueError(f"n_iter must be None or a positive integer, got {n_iter!r}")
     return EntmaxBisectFunction.apply(x, alpha, dim, n_iter)
