@@ -120,6 +120,7 @@ def test_smollm2_matched_sampling(smollm2, loss, options):
 def test_smollm2_with_sparse_attention_generates_and_fine_tunes(smollm2, fortunes_split, attn, tmp_path):
     model, tokenizer, initial = smollm2
     model.load_state_dict(initial)
+    model.requires_grad_(True)  # an earlier test's peft unload() leaves the shared model frozen
     hs.patch_model(model, attn=attn)
     train_blocks, test_blocks = fortunes_split
     before = held_out_loss(model, test_blocks)
