@@ -1,5 +1,6 @@
 """hf_sparsemax: sparse attention, sparse training losses and matching decoding for transformers."""
 
+from .attention import LearnedAlpha, register_attention, supported_families
 from .losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
@@ -23,7 +24,11 @@ from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor
 
 __version__ = "0.1.0"
 
+register_attention()  # "sparsemax", "entmax15", "entmax_bisect", "sparse_softmax" become attn_implementation names
+
 __all__ = [
+    "LearnedAlpha",
+    "supported_families",
     "Entmax15Loss",
     "EntmaxLogitsProcessor",
     "SparsemaxLogitsProcessor",

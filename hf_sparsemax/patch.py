@@ -1,4 +1,9 @@
-"""``patch_model`` / ``unpatch_model``: swap a transformers model's loss (and keep the choice in its config).
+"""``patch_model`` / ``unpatch_model``: swap a transformers model's attention and loss (and keep the choice in its config).
+
+The attention swap uses transformers' attention interface: the sparse
+attentions are registered on import (:mod:`hf_sparsemax.attention`), and
+``patch_model`` sets the implementation with ``model.set_attn_implementation``
+and hangs the options (and a learned alpha per head) on each attention module.
 
 The loss swap uses transformers' own hook, ``model.loss_function`` (a setter
 exists), never a new ``loss_type`` nor a replaced ``LOSS_MAPPING`` entry:
@@ -9,12 +14,15 @@ by ``unpatch_model``. Everything is validated before anything is changed.
 
 from __future__ import annotations
 
+import glob
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .generation import install_matched_generate, remove_matched_generate
 from .losses import make_loss
 from .settings import CONFIG_KEY, SparseSettings
@@ -103,6 +111,72 @@ def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[.
     return token_classification_loss
 
 
+ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
+
+
+def attention_plan(inner, settings: SparseSettings):
+    """Validate the attention swap (nothing changes): ``(modules, options, heads per module)`` or ``None``."""
+    options = settings.attention_options
+    if options is None:
+        return None
+    modules = check_supported(inner)
+    heads = [num_heads(module) for module in modules] if options.learn_alpha else [None] * len(modules)
+    return modules, options, heads
+
+
+def apply_attention(inner, plan, keep_learned: bool) -> None:
+    """Install a validated plan (``None``: the model's own attention). ``keep_learned`` keeps trained alphas."""
+    if plan is None:
+        restore_attention(inner)
+        return
+    modules, options, heads = plan
+    if ORIGINAL_ATTR not in vars(inner) and inner.config._attn_implementation not in ATTENTION_MAPPINGS:
+        setattr(inner, ORIGINAL_ATTR, inner.config._attn_implementation)
+    for module, count in zip(modules, heads):
+        setattr(module, OPTIONS_ATTR, options)
+        learned = module._modules.get(ALPHA_ATTR)
+        if not options.learn_alpha:
+            module._modules.pop(ALPHA_ATTR, None)
+        elif learned is None or not keep_learned or learned.pre_alpha.numel() != count:
+            device = next(module.parameters(), torch.empty(0)).device
+            module.add_module(ALPHA_ATTR, LearnedAlpha(count, options.alpha).to(device))
+    inner.set_attn_implementation(options.mapping)
+
+
+def restore_attention(inner) -> None:
+    for module in inner.modules():
+        vars(module).pop(OPTIONS_ATTR, None)
+        module._modules.pop(ALPHA_ATTR, None)
+    original = vars(inner).pop(ORIGINAL_ATTR, None)
+    if inner.config._attn_implementation in ATTENTION_MAPPINGS:
+        inner.set_attn_implementation(original or ("sdpa" if getattr(inner, "_supports_sdpa", False) else "eager"))
+
+
+def load_learned_alpha(inner) -> int:
+    """Copy learned alphas saved by ``save_pretrained`` back into the model; returns how many modules got one.
+
+    ``from_pretrained`` drops them (the plain model has no such parameters);
+    they are read from the safetensors files of the folder the model came from.
+    """
+    folder = getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "")
+    if not folder or not os.path.isdir(folder):
+        return 0
+    from safetensors import safe_open
+
+    owners = {name: module for name, module in inner.named_modules() if ALPHA_ATTR in module._modules}
+    suffix = f".{ALPHA_ATTR}.pre_alpha"
+    loaded = 0
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                owner = owners.get(key[: -len(suffix)]) if key.endswith(suffix) else None
+                if owner is not None:
+                    with torch.no_grad():
+                        owner._modules[ALPHA_ATTR].pre_alpha.copy_(handle.get_tensor(key))
+                    loaded += 1
+    return loaded
+
+
 def patch_model(
     model,
     attn: str | None = None,
@@ -111,8 +185,13 @@ def patch_model(
     attn_options: dict[str, Any] | None = None,
     loss_options: dict[str, Any] | None = None,
 ):
-    """Swap the loss of a transformers model (or peft model) in place and return it.
+    """Swap the attention and / or the loss of a transformers model (or peft model) in place and return it.
 
+    ``attn``: ``None`` (leave as is), ``"softmax"`` (the model's own),
+    ``"sparsemax"``, ``"entmax15"``, ``"entmax_bisect"`` (``alpha`` in (1, 2],
+    ``learn_alpha``: one trainable alpha per layer and head), ``"sparse_softmax"``
+    (``top_k``); every sparse attention takes ``chunk_size`` (queries per
+    chunk, recomputed in backward: bounded memory on long sequences).
     ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
     ``"entmax_bisect"`` (``alpha``). With no ``attn`` / ``loss`` the settings
@@ -122,7 +201,8 @@ def patch_model(
     loss trains (see :mod:`hf_sparsemax.generation`).
     """
     inner = base_model(model)
-    if attn is None and loss is None and not attn_options and not loss_options:
+    reapply = attn is None and loss is None and not attn_options and not loss_options
+    if reapply:
         settings = SparseSettings.from_config(inner.config)
         if settings is None:
             return model
@@ -137,7 +217,11 @@ def patch_model(
     loss_function = None
     if settings.loss not in (None, "cross_entropy"):
         loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
+    plan = attention_plan(inner, settings)
     # validated: now change the model
+    apply_attention(inner, plan, keep_learned=attn is None)
+    if reapply and plan is not None and plan[1].learn_alpha:
+        load_learned_alpha(inner)
     remove_matched_generate(inner)
     if loss_function is not None:
         inner.loss_function = loss_function
@@ -154,8 +238,9 @@ def patch_model(
 
 
 def unpatch_model(model):
-    """Undo :func:`patch_model`: the model's own loss, and no hf_sparsemax settings in its config."""
+    """Undo :func:`patch_model`: the model's own attention and loss, and no hf_sparsemax settings in its config."""
     inner = base_model(model)
+    restore_attention(inner)
     remove_matched_generate(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function

@@ -10,10 +10,11 @@ import dataclasses
 import warnings
 from typing import Any
 
+from .attention import ATTENTION_MAPPINGS, AttentionOptions
 from .losses import LOSS_OPTIONS
 
 CONFIG_KEY = "hf_sparsemax"
-ATTENTIONS = ("softmax",)  # sparse attention implementations join this list when they are registered
+ATTENTIONS = ("softmax", *ATTENTION_MAPPINGS)
 
 
 @dataclasses.dataclass
@@ -29,12 +30,11 @@ class SparseSettings:
         self.attn_options = dict(self.attn_options or {})
         self.loss_options = dict(self.loss_options or {})
         if self.attn not in (None, *ATTENTIONS):
-            raise ValueError(
-                f"attn={self.attn!r} is not available: choose one of {list(ATTENTIONS)} "
-                "(sparse attention implementations are not part of this release yet)"
-            )
+            raise ValueError(f"attn={self.attn!r} is unknown: choose one of {list(ATTENTIONS)}")
         if self.attn_options and self.attn in (None, "softmax"):
             raise ValueError(f"attn_options {self.attn_options} given without a sparse attn")
+        if self.attn in ATTENTION_MAPPINGS:
+            self.attention_options  # validates the option names and values
         if self.loss not in (None, "cross_entropy", *LOSS_OPTIONS):
             raise ValueError(
                 f"loss={self.loss!r} is unknown: choose one of {['cross_entropy', *LOSS_OPTIONS]}"
@@ -49,6 +49,13 @@ class SparseSettings:
             from .losses import make_loss
 
             make_loss(self.loss, **self.loss_options)  # validates the option values
+
+    @property
+    def attention_options(self) -> AttentionOptions | None:
+        """The validated options of a sparse ``attn`` (``None`` for the model's own attention)."""
+        if self.attn not in ATTENTION_MAPPINGS:
+            return None
+        return AttentionOptions.from_settings(self.attn, self.attn_options)
 
     @property
     def is_default(self) -> bool:

@@ -1,0 +1,308 @@
+"""Sparse attention for transformers models, through transformers' own attention interface.
+
+Every model family that calls ``ALL_ATTENTION_FUNCTIONS.get_interface(...)``
+hands its attention to the function registered under
+``config._attn_implementation``. This module registers one such function per
+mapping (``sparsemax``, ``entmax15``, ``entmax_bisect``, ``sparse_softmax``),
+and, under the same name, transformers' ``eager_mask`` as the mask function:
+without it the model would build no causal and no padding mask at all.
+
+For each head the attention weights are
+
+    p = mapping(softcap(q k^T * scaling) + position_bias + mask)   (+ a sink column, dropped after)
+
+and the output is ``dropout(p) v``. ``mapping`` is the library's one
+implementation of the probability mapping (:mod:`hf_sparsemax.mappings`), so
+attention, losses and decoders share it. Masked keys (``-inf`` or
+``finfo.min`` in the additive mask) get exactly 0; a query row with every
+key masked (a padded position) gets all zeros, never NaN.
+
+Options live on each attention module (set by :func:`hf_sparsemax.patch_model`):
+``alpha`` (entmax_bisect), a learned per-head alpha (``LearnedAlpha``,
+"Adaptively Sparse Transformers", Correia, Niculae & Martins, 2019),
+``top_k`` (sparse_softmax) and ``chunk_size`` (queries processed in chunks and
+recomputed in backward, so ``B x H x q x kv`` is never held whole).
+A module without options uses the defaults: alpha 1.5, no top-k cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+import os
+import typing
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax
+from .mappings.entmax import check_alpha
+from .mappings.sparse_softmax import check_top
+
+ATTENTION_MAPPINGS = ("sparsemax", "entmax15", "entmax_bisect", "sparse_softmax")
+ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path)
+    "sparsemax": ("chunk_size",),
+    "entmax15": ("chunk_size",),
+    "entmax_bisect": ("alpha", "learn_alpha", "chunk_size"),
+    "sparse_softmax": ("top_k", "chunk_size"),
+}
+OPTIONS_ATTR = "hf_sparsemax_attention"  # plain attribute of an attention module: its AttentionOptions
+ALPHA_ATTR = "hf_sparsemax_alpha"  # submodule of an attention module: its LearnedAlpha (saved with the weights)
+INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+
+# Keyword arguments the models pass that do not change the math here: masks already hold causality, sliding
+# windows and packed sequences; the rest is bookkeeping for other implementations or for the model.
+HARMLESS_KWARGS = frozenset(
+    {
+        "is_causal", "sliding_window", "position_ids", "output_attentions", "deterministic", "use_cache",
+        "cache_position", "past_key_values", "past_key_value", "output_hidden_states", "return_dict", "layer_idx",
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "query_length", "key_length",
+        "use_top_left_mask", "num_items_in_batch", "layer_head_mask", "head_mask", "cross_attention_states",
+        "cache", "token_type_ids", "encoder_hidden_states", "encoder_attention_mask", "logits_to_keep",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Validated options of one sparse attention (see ``ATTENTION_OPTIONS`` for which mapping takes which)."""
+
+    mapping: str
+    alpha: float = 1.5
+    learn_alpha: bool = False
+    top_k: int | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mapping not in ATTENTION_MAPPINGS:
+            raise ValueError(f"unknown attention {self.mapping!r}: choose one of {list(ATTENTION_MAPPINGS)}")
+        alpha = check_alpha(self.alpha)
+        if not 1 < alpha <= 2:
+            raise ValueError(f"attention alpha must lie in (1, 2], got {self.alpha!r}")
+        if not isinstance(self.learn_alpha, bool):
+            raise ValueError(f"learn_alpha must be True or False, got {self.learn_alpha!r}")
+        if self.learn_alpha and alpha == 2:
+            raise ValueError("learn_alpha starts from an alpha in (1, 2): alpha = 1 + sigmoid(a) cannot start at 2")
+        check_top(self.top_k, None)
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be a positive integer (queries per chunk), got {self.chunk_size!r}")
+        object.__setattr__(self, "alpha", alpha)
+
+    @classmethod
+    def from_settings(cls, mapping: str, options: dict[str, typing.Any]) -> "AttentionOptions":
+        if mapping not in ATTENTION_MAPPINGS:
+            raise ValueError(f"unknown attention {mapping!r}: choose one of {['softmax', *ATTENTION_MAPPINGS]}")
+        unknown = sorted(set(options) - set(ATTENTION_OPTIONS[mapping]))
+        if unknown:
+            raise ValueError(
+                f"attn_options {unknown} are not options of attn={mapping!r}; it takes {list(ATTENTION_OPTIONS[mapping])}"
+            )
+        return cls(mapping=mapping, **options)
+
+
+class LearnedAlpha(nn.Module):
+    """One trainable alpha per head, ``alpha = 1 + sigmoid(a)`` in (1, 2) (Correia et al., 2019)."""
+
+    def __init__(self, num_heads: int, alpha: float = 1.5) -> None:
+        super().__init__()
+        start = math.log((alpha - 1) / (2 - alpha))  # sigmoid^-1(alpha - 1)
+        self.pre_alpha = nn.Parameter(torch.full((num_heads,), start, dtype=torch.float32))
+
+    def forward(self) -> torch.Tensor:
+        """``[1, H, 1, 1]`` alphas, broadcastable to attention scores ``[B, H, q, kv]``."""
+        return (1 + torch.sigmoid(self.pre_alpha.float())).view(1, -1, 1, 1)
+
+
+def attention_probabilities(module: nn.Module, scores: torch.Tensor, mapping: str) -> torch.Tensor:
+    """``mapping(scores)`` along the keys, with the module's options (defaults when it has none)."""
+    options = getattr(module, OPTIONS_ATTR, None)
+    if mapping == "sparsemax":
+        return sparsemax(scores, dim=-1)
+    if mapping == "entmax15":
+        return entmax15(scores, dim=-1)
+    if mapping == "sparse_softmax":
+        return sparse_softmax(scores, dim=-1, top_k=options.top_k if options else None)
+    learned = getattr(module, ALPHA_ATTR, None)
+    if learned is not None:
+        return entmax_bisect(scores, alpha=learned().to(scores.device), dim=-1)
+    return entmax_bisect(scores, alpha=options.alpha if options else 1.5, dim=-1)
+
+
+def check_kwargs(kwargs: dict[str, typing.Any], mapping: str) -> None:
+    """Refuse a keyword the model passes that would change the attention and that this path does not apply."""
+    for name, value in kwargs.items():
+        if name in HARMLESS_KWARGS or value is None or value is False:
+            continue
+        raise ValueError(
+            f"{mapping} attention does not know the argument {name!r} this model passes to its attention "
+            "function, so it cannot reproduce the model's attention; use attn_implementation='eager' or 'sdpa'"
+        )
+
+
+def attend(module, query, *, key, value, mask, scaling, dropout, softcap, position_bias, sinks, mapping):
+    """Weights ``[B, H, q, kv]`` and output ``[B, H, q, D]`` for one block of queries."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
+    if mask is not None:
+        scores = scores + mask
+    if sinks is not None:  # one extra logit per head that takes part in the mapping and is dropped after
+        column = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = attention_probabilities(module, torch.cat([scores, column], dim=-1), mapping)[..., :-1]
+    else:
+        weights = attention_probabilities(module, scores, mapping)
+    weights = weights.to(value.dtype)
+    dropped = nn.functional.dropout(weights, p=dropout, training=module.training) if dropout else weights
+    return weights, torch.matmul(dropped, value)
+
+
+def query_rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The rows of a per-query operand (mask or bias ``[., ., q, kv]``), broadcast ones left as they are."""
+    if tensor is None or tensor.shape[-2] == 1:
+        return tensor
+    return tensor[..., rows, :]
+
+
+def sparse_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    *,
+    mapping: str,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention-function contract: ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``.
+
+    Returns ``(out [B, q, H, D], weights [B, H, q, kv])``; weights are ``None``
+    on the chunked path (``chunk_size`` set and ``output_attentions`` not asked).
+    Grouped-query heads are repeated to match the query heads.
+    """
+    check_kwargs(kwargs, mapping)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    options = getattr(module, OPTIONS_ATTR, None)
+    chunk = options.chunk_size if options else None
+    extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, sinks=s_aux, mapping=mapping)
+    q_len = query.shape[-2]
+    if chunk is None or q_len <= chunk or kwargs.get("output_attentions"):
+        weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias, **extras)
+        return out.transpose(1, 2).contiguous(), weights
+    block = functools.partial(attend, module, key=key, value=value, **extras)
+
+    def run(q_rows, mask_rows, bias_rows):
+        return block(q_rows, mask=mask_rows, position_bias=bias_rows)[1]
+
+    outputs = []
+    for start in range(0, q_len, chunk):
+        rows = slice(start, start + chunk)
+        operands = (query[..., rows, :], query_rows(attention_mask, rows), query_rows(position_bias, rows))
+        grad = torch.is_grad_enabled()
+        outputs.append(checkpoint(run, *operands, use_reentrant=False) if grad else run(*operands))
+    return torch.cat(outputs, dim=-2).transpose(1, 2).contiguous(), None
+
+
+def attention_function(mapping: str):
+    """The function registered with transformers for one mapping."""
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        return sparse_attention_forward(module, query, key, value, attention_mask, mapping=mapping, **kwargs)
+
+    forward.__name__ = f"{mapping}_attention_forward"
+    forward.__qualname__ = forward.__name__
+    forward.__doc__ = f"{mapping} attention (see :func:`hf_sparsemax.attention.sparse_attention_forward`)."
+    return forward
+
+
+def register_attention() -> None:
+    """Register every sparse attention, and ``eager_mask`` for its masks, under its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    for mapping in ATTENTION_MAPPINGS:
+        AttentionInterface.register(mapping, attention_function(mapping))
+        AttentionMaskInterface.register(mapping, eager_mask)
+
+
+def routes_attention(module_type: type) -> bool:
+    """Whether a module class's forward calls transformers' attention interface."""
+    forward = getattr(module_type, "forward", None)
+    code = getattr(getattr(forward, "__wrapped__", forward), "__code__", None)
+    return code is not None and INTERFACE_NAME in code.co_names
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that compute attention through transformers' interface."""
+    return [module for module in model.modules() if routes_attention(type(module))]
+
+
+def check_supported(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules, or a ``ValueError`` naming a family whose attention cannot be swapped."""
+    modules = attention_modules(model)
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if not modules or (can_set is not None and not can_set()):
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"the {family!r} family ({type(model).__name__}) hard-codes its attention softmax instead of calling "
+            "transformers' attention interface, so its attention cannot be swapped; "
+            "hf_sparsemax.supported_families() lists the families that work (the loss can still be swapped)"
+        )
+    return modules
+
+
+def num_heads(module: nn.Module) -> int:
+    """Number of query heads of an attention module (for a learned alpha per head)."""
+    for owner in (module, getattr(module, "config", None)):
+        for name in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError(f"cannot tell the number of heads of {type(module).__name__}: learn_alpha is not available here")
+
+
+@functools.lru_cache(maxsize=1)
+def supported_families() -> tuple[str, ...]:
+    """Model types (``config.model_type``) whose attention goes through transformers' attention interface.
+
+    Read from the modeling files of the installed transformers (without
+    importing them), by the same rule transformers applies before switching
+    an attention implementation.
+    """
+    import re
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    root = os.path.dirname(importlib.import_module("transformers.models").__file__)
+    families = []
+    for model_type in CONFIG_MAPPING_NAMES:
+        name = model_type_to_module_name(model_type)
+        path = os.path.join(root, name, f"modeling_{name}.py")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as handle:
+            code = handle.read()
+        if f"{INTERFACE_NAME}.get_interface(" in code and re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M):
+            families.append(model_type)
+    return tuple(sorted(families))
