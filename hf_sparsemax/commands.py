@@ -95,7 +95,10 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
         if recipe.task == "causal_lm":
             results.update(runner.sample(trainer.model, tokenizer, recipe))
             if heatmap:
+                from .report import zero_share
+
                 attention = runner.attention_map(trainer.model, tokenizer, recipe)
+                results["attention_zero_share"] = zero_share(attention[0])
         runner.write_json(os.path.join(work, "results.json"), results)
         shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
     del trainer, model

@@ -155,14 +155,14 @@ class Recipe:
         if not isinstance(self.model, str) or not self.model:
             raise RecipeError(f"model must be a model id, folder, .gguf file, 'smollm2' or 'minilm', got {self.model!r}")
         self.training = {**TRAINING_DEFAULTS, **(self.training or {})}
-        check_keys("training", self.training, training_fields())
+        check_training("training", self.training)
         if self.lora is not None:
             check_keys("lora", self.lora, lora_fields())
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
         for variant in self.all_variants():  # validates names and options of every variant
             variant.settings
-            check_keys(f"variants.{variant.name}.training", variant.training, training_fields())
+            check_training(f"variants.{variant.name}.training", variant.training)
 
     def all_variants(self) -> list[Variant]:
         """The variants to compare, in recipe order (the recipe's own settings alone when it names none)."""
@@ -209,6 +209,32 @@ def training_fields() -> list[str]:
     from transformers import TrainingArguments
 
     return [f.name for f in dataclasses.fields(TrainingArguments) if f.init and f.name != "output_dir"]
+
+
+def check_training(where: str, training: dict[str, Any]) -> None:
+    """Known TrainingArguments fields; numbers and booleans where the field's default is one (in place).
+
+    YAML reads ``5e-4`` (no dot) as a string: such strings become numbers here.
+    """
+    from transformers import TrainingArguments
+
+    check_keys(where, training, training_fields())
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    for key, value in training.items():
+        default = defaults.get(key)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise RecipeError(f"{where}.{key} must be true or false, got {value!r}")
+        elif isinstance(default, (int, float)) and value is not None:
+            kind = float if isinstance(default, float) else int
+            try:
+                number = kind(value) if not isinstance(value, bool) else None
+            except (TypeError, ValueError):
+                number = None
+            if number is None or (kind is int and isinstance(value, float) and value != number):
+                raise RecipeError(f"{where}.{key} must be {'a number' if kind is float else 'an integer'}, "
+                                  f"got {value!r}")
+            training[key] = number
 
 
 def lora_fields() -> list[str]:

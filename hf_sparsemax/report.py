@@ -24,6 +24,7 @@ CAUSAL_COLUMNS = [  # (results key, header, format)
     ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
     ("support_size", "mean support", "{:.1f}"),
     ("sample_zero_prob_share", "sampled p=0 share", "{:.3f}"),
+    ("attention_zero_share", "attention zeros", "{:.0%}"),
     ("train_seconds", "train s", "{:.0f}"),
 ]
 CLASSIFICATION_COLUMNS = [
@@ -101,8 +102,7 @@ def plot_attention(maps: dict[str, tuple[np.ndarray, list[str]]], path: str, lay
     size = max(len(tokens) for _, tokens in maps.values())
     fig, axes = plt.subplots(1, len(maps), figsize=(max(5.0, 0.28 * size + 2) * len(maps), 0.28 * size + 2.2),
                              squeeze=False)
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("white")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
     for ax, (name, (weights, tokens)) in zip(axes[0], maps.items()):
         image = ax.imshow(np.ma.masked_equal(weights, 0.0), cmap=cmap, vmin=0, vmax=max(float(weights.max()), 1e-9))
         ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)

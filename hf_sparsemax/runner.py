@@ -53,6 +53,17 @@ def model_location(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
+def explain(error: Exception, gguf: str | None) -> str:
+    """One line for a loading error; for GGUF files, the architectures transformers can read."""
+    text = one_line(error)
+    if gguf and "not supported" in text:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        known = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))
+        text += f" Use a .gguf of one of {known}, or a model folder / id."
+    return text
+
+
 def load_tokenizer(recipe: Recipe, folder: str | None = None):
     from transformers import AutoTokenizer
 
@@ -60,7 +71,7 @@ def load_tokenizer(recipe: Recipe, folder: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf} if gguf else {}))
     except Exception as error:  # OSError, ValueError, hub errors: all mean "this model cannot be read"
-        raise RecipeError(f"cannot load the tokenizer of model {recipe.model!r}: {one_line(error)}") from None
+        raise RecipeError(f"cannot load the tokenizer of model {recipe.model!r}: {explain(error, gguf)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -81,7 +92,7 @@ def load_base_model(recipe: Recipe, labels: list[str] | None = None, folder: str
     try:
         model = auto.from_pretrained(location, **kwargs)
     except Exception as error:  # unsupported GGUF architecture, bad folder, unknown hub id, no network
-        raise RecipeError(f"cannot load model {recipe.model!r} for {recipe.task}: {one_line(error)}") from None
+        raise RecipeError(f"cannot load model {recipe.model!r} for {recipe.task}: {explain(error, gguf)}") from None
     if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are de-quantised on load
         model.hf_quantizer.remove_quantization_config(model)
     if model.config.pad_token_id is None and model.config.eos_token_id is not None:
