@@ -53,6 +53,56 @@ def model_location(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
+def gguf_cache(folder: str, name: str) -> str:
+    """A ``save_pretrained`` copy of a GGUF model (de-quantised weights and tokenizer), made on first use.
+
+    Reading a GGUF file parses every tokenizer entry in Python (15-45 s for
+    SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
+    the safetensors copy loads in a second or two. It lives under
+    ``$HF_SPARSEMAX_CACHE`` (default ``~/.cache/hf_sparsemax``), keyed by the
+    file's path, size and modification time, and is written to a temporary
+    folder first and renamed, so a crash never leaves a broken copy.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.join(folder, name)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_sparsemax")
+    target = os.path.join(root, "gguf", f"{os.path.splitext(name)[0]}-{key}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    work = tempfile.mkdtemp(prefix=os.path.basename(target) + ".", dir=os.path.dirname(target))
+    model.save_pretrained(work)
+    tokenizer.save_pretrained(work)
+    os.chmod(work, 0o755)
+    try:
+        os.rename(work, target)
+    except OSError:  # another process made it meanwhile
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def local_model(spec: str) -> str:
+    """The folder to load a recipe's model from (GGUF files through :func:`gguf_cache`)."""
+    location, gguf = model_location(spec)
+    if gguf is None:
+        return location
+    try:
+        return gguf_cache(location, gguf)
+    except Exception as error:  # unsupported GGUF architecture, unreadable file
+        raise RecipeError(f"cannot load model {spec!r}: {explain(error, gguf)}") from None
+
+
 def explain(error: Exception, gguf: str | None) -> str:
     """One line for a loading error; for GGUF files, the architectures transformers can read."""
     text = one_line(error)
@@ -67,11 +117,11 @@ def explain(error: Exception, gguf: str | None) -> str:
 def load_tokenizer(recipe: Recipe, folder: str | None = None):
     from transformers import AutoTokenizer
 
-    location, gguf = (folder, None) if folder else model_location(recipe.model)
+    location = folder or local_model(recipe.model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf} if gguf else {}))
+        tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as error:  # OSError, ValueError, hub errors: all mean "this model cannot be read"
-        raise RecipeError(f"cannot load the tokenizer of model {recipe.model!r}: {explain(error, gguf)}") from None
+        raise RecipeError(f"cannot load the tokenizer of model {recipe.model!r}: {one_line(error)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -81,8 +131,8 @@ def load_base_model(recipe: Recipe, labels: list[str] | None = None, folder: str
     """The recipe's pretrained model (or a saved fine-tuned ``folder``), de-quantised if it came from GGUF."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    location, gguf = (folder, None) if folder else model_location(recipe.model)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    location = folder or local_model(recipe.model)
+    kwargs: dict[str, Any] = {}
     if recipe.task == "sequence_classification":
         auto = AutoModelForSequenceClassification
         kwargs.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
@@ -92,9 +142,7 @@ def load_base_model(recipe: Recipe, labels: list[str] | None = None, folder: str
     try:
         model = auto.from_pretrained(location, **kwargs)
     except Exception as error:  # unsupported GGUF architecture, bad folder, unknown hub id, no network
-        raise RecipeError(f"cannot load model {recipe.model!r} for {recipe.task}: {explain(error, gguf)}") from None
-    if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are de-quantised on load
-        model.hf_quantizer.remove_quantization_config(model)
+        raise RecipeError(f"cannot load model {recipe.model!r} for {recipe.task}: {one_line(error)}") from None
     if model.config.pad_token_id is None and model.config.eos_token_id is not None:
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
@@ -119,7 +167,9 @@ def prepare(model, recipe: Recipe, variant: Variant):
     """
     if recipe.lora is not None:
         from peft import get_peft_model
+        from transformers import set_seed
 
+        set_seed(recipe.training_args(variant).get("seed", 42))  # LoRA's random init: the same on every run
         model = get_peft_model(model, lora_config(recipe))
     loss, options = variant.loss, variant.loss_options
     custom = None

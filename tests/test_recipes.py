@@ -221,3 +221,51 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_llama, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith("hf-sparsemax: error:") and "\n" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(tiny_llama, tmp_path):
+    """``accelerate launch --num_processes 2`` on CPU (gloo), half the batch per process: the same run."""
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path, tiny_llama)
+    common = ["train", recipe, "--variant", "top3", "--set", "training.max_steps=4"]
+    assert run(*common, "--output", tmp_path / "one", "--set", "training.per_device_train_batch_size=4") == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.cli"]
+    done = subprocess.run([*launch, *map(str, common), "--output", str(tmp_path / "two"),
+                           "--set", "training.per_device_train_batch_size=2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("hf-sparsemax: trained 'top3'") == 1  # one summary line, from the main process
+
+    def losses(folder):
+        history = json.loads((tmp_path / folder / "top3" / "log_history.json").read_text())
+        return [e["loss"] for e in history if "loss" in e]
+
+    assert len(losses("two")) == 4
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
+    """The README's main job, shrunk to 2 steps of 8 short blocks per variant."""
+    out = tmp_path / "default"
+    shrink = ["training.max_steps=2", "data.block_size=32", "data.train_size=16", "data.eval_size=4",
+              "eval.max_new_tokens=8", "training.disable_tqdm=true"]
+    assert run("compare", "default", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
+    assert "best epsilon-perplexity" in capsys.readouterr().out.strip().splitlines()[-1]
+    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15"]
+    assert 0 < results["softmax_ce"]["cross_entropy"] < 10 and results["softmax_ce"]["zero_prob_share"] == 0
+    assert results["sparse_softmax_top10"]["support_size"] == 10
+    assert results["entmax15"]["attention_zero_share"] > 0.2 and results["softmax_ce"]["attention_zero_share"] == 0
+    for r in results.values():
+        assert r["sample_zero_prob_share"] == 0 and r["steps"] == 2 and 1 < r["epsilon_perplexity"] < 1e6
+        assert all(len(text.split()) >= 2 for text in r["texts"]), r["texts"]
+    for name in results:
+        assert (out / name / "model" / "adapter_model.safetensors").is_file()
+    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt"} <= set(os.listdir(out))
