@@ -319,3 +319,20 @@ def test_torch_compile():
         expected = model(**inputs).logits
         compiled = torch.compile(model, backend="aot_eager")
         torch.testing.assert_close(compiled(**inputs).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models(dtype):
+    """Half-precision scores are mapped in float32; masks at finfo(dtype).min still give exact zeros."""
+    model = hs.patch_model(tiny_model("llama").to(dtype), attn="entmax15")
+    inputs = batch("llama")
+    with torch.no_grad():
+        output = model(**inputs, output_attentions=True)
+        reference = hs.patch_model(tiny_model("llama"), attn="entmax15")(**inputs).logits
+    maps = output.attentions
+    assert all(a.dtype == dtype and torch.isfinite(a).all() for a in maps)
+    assert all((a[1, :, :3] == 0).all() and (a[0].triu(1) == 0).all() for a in maps)
+    live = [a.float().sum(-1)[a.float().sum(-1) > 0] for a in maps]
+    assert all(torch.allclose(s, torch.ones_like(s), atol=1e-2) for s in live)
+    mask = inputs["attention_mask"].bool()
+    torch.testing.assert_close(output.logits.float()[mask], reference[mask], rtol=0.05, atol=0.05)

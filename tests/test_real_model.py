@@ -114,3 +114,48 @@ def test_smollm2_matched_sampling(smollm2, loss, options):
     unmatched = hs.decoding_report(model, tokenizer, ["The secret of a happy life is"], max_new_tokens=16,
                                    loss="sparse_softmax", loss_options={"top_k": 3}, matched=False, top_k=50)
     assert unmatched["mean_truncated_mass"] >= 0 and unmatched["mean_support_size"] == 3
+
+
+@pytest.mark.parametrize("attn", ["entmax15", "sparsemax"])
+def test_smollm2_with_sparse_attention_generates_and_fine_tunes(smollm2, fortunes_split, attn, tmp_path):
+    model, tokenizer, initial = smollm2
+    model.load_state_dict(initial)
+    hs.patch_model(model, attn=attn)
+    train_blocks, test_blocks = fortunes_split
+    before = held_out_loss(model, test_blocks)
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        maps = model(**prompt, output_attentions=True).attentions
+        tokens = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+    text = tokenizer.decode(tokens[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
+    trainer = train(model, train_blocks, tmp_path, lr=1e-4)
+    after = held_out_loss(model, test_blocks)
+    hs.unpatch_model(model)
+    assert model.config._attn_implementation != attn
+    words = [w for w in text.split() if w.strip(".,!?;:'\"").isalpha()]
+    assert len(words) >= 3, text  # English words, not token soup
+    zero_share = sum(int((a == 0).sum()) for a in maps) / sum(a.numel() for a in maps)
+    assert zero_share > 0.6, zero_share  # beyond the causal half, keys get exactly zero weight
+    assert before < 7.0, before  # far below a uniform guess (log 49152 = 10.8): the pretrained model still works
+    assert after < before and all(e["loss"] == e["loss"] for e in trainer.state.log_history if "loss" in e)
+
+
+def test_minilm_with_sparsemax_attention_encodes_with_padding():
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = assets.minilm_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, attn_implementation="sparsemax").eval()
+    sentences = ["A cat sits on the mat.", "Stock markets around the world fell sharply after the announcement."]
+    padded = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert (padded.attention_mask == 0).any()
+    with torch.no_grad():
+        output = model(**padded, output_attentions=True)
+        alone = [model(**tokenizer(s, return_tensors="pt")).last_hidden_state[0] for s in sentences]
+    for i, hidden in enumerate(alone):
+        torch.testing.assert_close(output.last_hidden_state[i, : len(hidden)], hidden, rtol=1e-4, atol=1e-5)
+    maps = torch.stack(output.attentions)  # [layers, B, H, q, kv]
+    real_keys = padded.attention_mask.bool()[None, :, None, None, :]
+    assert (maps.masked_select(~real_keys) == 0).all()  # padding keys get exactly 0
+    torch.testing.assert_close(maps.sum(-1), torch.ones_like(maps.sum(-1)), rtol=0, atol=1e-5)
+    assert (maps.masked_select(real_keys) == 0).float().mean() > 0.3  # and so do many real keys
