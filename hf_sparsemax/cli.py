@@ -27,6 +27,13 @@ import os
 import sys
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line (exit code 2), like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"hf-sparsemax: error: {message} (see: {self.prog} --help)\n")
+
+
 def parse_option(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
@@ -140,7 +147,7 @@ def summary(text: str, compared: dict | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-sparsemax", description=__doc__,
+    parser = OneLineParser(prog="hf-sparsemax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     for name in RECIPE_COMMANDS:

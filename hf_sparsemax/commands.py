@@ -64,7 +64,8 @@ def publish(work: str, final: str) -> None:
 def check(recipe: Recipe, variants: list[Variant]) -> None:
     """Everything checkable before loading: training arguments of each variant, the model's location."""
     for variant in variants:
-        runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
+        args = runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
+        args.world_size  # sets up the process group under `accelerate launch`, so barrier() works from here on
     runner.model_location(recipe.model)
 
 
@@ -197,8 +198,9 @@ def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[st
         results.append(result)
         if attention is not None:
             maps[variant.name] = attention
-        with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
-            histories[variant.name] = json.load(handle)
+        if is_main_process():
+            with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
+                histories[variant.name] = json.load(handle)
     seconds = time.perf_counter() - start
     if is_main_process():
         figures = ["loss_curves.png"]

@@ -253,12 +253,13 @@ def check_keys(where: str, data: Any, allowed) -> None:
 
 
 def resolve_path(spec: str) -> str:
-    """A recipe file: a path, or the name of one under the repository's ``recipes/`` (``default``)."""
+    """A recipe file: a path, or a name in ``./recipes/`` or the repository's ``recipes/`` (``default``)."""
     if os.path.exists(spec):
         return spec
-    for candidate in (os.path.join(RECIPE_DIR, spec), os.path.join(RECIPE_DIR, spec + ".yaml")):
-        if os.path.isfile(candidate):
-            return candidate
+    for folder in ("recipes", RECIPE_DIR):
+        for candidate in (os.path.join(folder, spec), os.path.join(folder, spec + ".yaml")):
+            if os.path.isfile(candidate):
+                return candidate
     raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or a name in {RECIPE_DIR}")
 
 
