@@ -3,7 +3,7 @@
 Times are medians of interleaved rounds in one process; ratios are to eager
 softmax attention (transformers' own ``eager``), which materialises the same
 ``B x H x q x kv`` weights the sparse attentions do. Peak memory is the
-resident memory one step adds (the model already loaded). The last table
+resident memory one step adds, in a fresh process that holds the loaded model. The last table
 compares the materialised path with the chunked one (``chunk_size``: queries
 in blocks, recomputed in backward) at a long sequence, on the first layers
 of the model.
@@ -21,7 +21,7 @@ import torch
 
 import hf_sparsemax as hs
 from hf_sparsemax import assets
-from common import interleaved_medians, peak_added_mb
+from common import interleaved_medians, peak_memory_mb
 
 CONTENDERS = {  # name -> (attn_implementation or patch_model attn, attn_options)
     "sdpa (softmax)": ("sdpa", None),
@@ -54,6 +54,25 @@ def training_step(model, attn: str, options, ids: torch.Tensor):
     return step
 
 
+def memory_setup(attn: str, options, batch: int, seq: int, layers: int | None) -> dict:
+    """For :func:`peak_memory_mb`: a fresh process holding the model, its inputs, and the step to measure."""
+    torch.manual_seed(0)
+    model = load(layers)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    step = training_step(model, attn, options, ids)
+    use(model, attn, options)
+    return {"step": step}
+
+
+def load(layers: int | None):
+    model, _ = assets.load_smollm2()
+    model.train()
+    if layers is not None:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    return model
+
+
 def table(title: str, rows: dict[str, tuple[float, float]], base: str) -> None:
     ms0, mb0 = rows[base]
     print(f"\n{title}\n\n| attention | step ms | x eager | peak MiB | x eager |\n|---|---:|---:|---:|---:|")
@@ -69,8 +88,7 @@ def main() -> None:
     parser.add_argument("--long-seq", type=int, default=4096, help="sequence length of the chunked-path table")
     parser.add_argument("--long-layers", type=int, default=4, help="first layers of the model kept for it")
     args = parser.parse_args()
-    model, _ = assets.load_smollm2()
-    model.train()
+    model = load(None)
     generator = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, SmolLM2-135M, float32, "
           f"median of {args.repeats} interleaved rounds")
@@ -78,11 +96,11 @@ def main() -> None:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), generator=generator)
         steps = {name: training_step(model, attn, options, ids) for name, (attn, options) in CONTENDERS.items()}
         ms = interleaved_medians(steps, args.repeats)
-        rows = {name: (ms[name], peak_added_mb(step)) for name, step in steps.items()}
+        rows = {name: (ms[name], peak_memory_mb(memory_setup, (attn, options, args.batch, seq, None), "step"))
+                for name, (attn, options) in CONTENDERS.items()}
         table(f"Training step, batch {args.batch} x seq {seq}:", rows, "eager (softmax)")
 
-    model.model.layers = model.model.layers[: args.long_layers]
-    model.config.num_hidden_layers = args.long_layers
+    model = load(args.long_layers)
     ids = torch.randint(0, model.config.vocab_size, (1, args.long_seq), generator=generator)
     long = {
         "eager (softmax)": ("eager", None),
@@ -91,10 +109,9 @@ def main() -> None:
         "sparsemax, chunk_size=512": ("sparsemax", {"chunk_size": 512}),
     }
     steps = {name: training_step(model, attn, options, ids) for name, (attn, options) in long.items()}
-    rows = {}
-    for name, step in steps.items():  # one round each: memory is the point here
-        ms = interleaved_medians({name: step}, 1)[name]
-        rows[name] = (ms, peak_added_mb(step))
+    ms = interleaved_medians(steps, 1)
+    rows = {name: (ms[name], peak_memory_mb(memory_setup, (attn, options, 1, args.long_seq, args.long_layers), "step"))
+            for name, (attn, options) in long.items()}
     table(f"Long sequence, batch 1 x seq {args.long_seq}, first {args.long_layers} layers:", rows, "eager (softmax)")
 
 

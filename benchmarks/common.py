@@ -56,11 +56,3 @@ def peak_memory_mb(setup: Callable[..., dict[str, Callable[[], None]]], args: tu
     process.join()
     return result
 
-
-def peak_added_mb(fn: Callable[[], None]) -> float:
-    """Peak resident memory (MiB) that ``fn()`` adds above the current size, measured in this process."""
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset the high-water mark to the current size
-    fn()
-    return (_status_kib("VmHWM") - base) / 1024

@@ -60,7 +60,7 @@ HARMLESS_KWARGS = frozenset(
         "is_causal", "sliding_window", "position_ids", "output_attentions", "deterministic", "use_cache",
         "cache_position", "past_key_values", "past_key_value", "output_hidden_states", "return_dict", "layer_idx",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "query_length", "key_length",
-        "use_top_left_mask", "num_items_in_batch", "layer_head_mask", "head_mask", "cross_attention_states",
+        "use_top_left_mask", "num_items_in_batch", "cross_attention_states",
         "cache", "token_type_ids", "encoder_hidden_states", "encoder_attention_mask", "logits_to_keep",
     }
 )

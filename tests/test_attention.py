@@ -183,6 +183,8 @@ def test_arguments_that_change_the_math_are_refused():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="indices"):
         sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", indices=torch.zeros(3))
+    with pytest.raises(ValueError, match="head_mask"):
+        sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", head_mask=torch.ones(2))
     out, _ = sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", is_causal=True,
                                       sliding_window=None, output_attentions=False)
     assert out.shape == (1, 3, 2, 4)
