@@ -28,8 +28,6 @@ from .losses import loss_mapping
 from .patch import base_model, compute_loss_func, patch_model, routes_loss_function
 from .recipes import Recipe, RecipeError, Variant, one_line
 
-ALIASES = {"smollm2": "SmolLM2-135M-Instruct (offline GGUF)", "minilm": "all-MiniLM-L6-v2 (offline)"}
-
 
 def model_location(spec: str) -> tuple[str, str | None]:
     """``(folder or model id, gguf file name or None)`` for a recipe's ``model``."""
