@@ -1,10 +1,21 @@
-"""The ``hf-sparsemax`` command.
+"""The ``hf-sparsemax`` command: run fine-tuning recipes, and check decoding against training.
 
+    hf-sparsemax compare recipes/default.yaml            # 3 variants side by side -> runs/default/report.md
+    hf-sparsemax train default --variant entmax15 --set training.max_steps=20
+    hf-sparsemax evaluate default --variant entmax15     # held-out metrics of runs/default/entmax15
+    hf-sparsemax generate default --variant entmax15 --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
 
-``--model`` takes a model id or local folder (any causal LM transformers can
-load; a ``.gguf`` file path works too) and defaults to the offline
-SmolLM2-135M-Instruct. Errors in the arguments exit with code 2 and one line.
+A recipe is a YAML file (or the name of one in the repository's recipes/
+folder). Override any field with --set PATH=VALUE (repeatable): PATH is the
+dotted field (training.max_steps, data.block_size, lora.r, eval.prompts,
+variants.entmax15.loss_options.alpha), VALUE is read as YAML (20, 5e-4, true,
+null, [q_proj, v_proj]). `training` is passed to transformers.TrainingArguments,
+`lora` to peft.LoraConfig (null: full fine-tuning). Results go to
+--output (default runs/<recipe name>), written to a .partial folder first and
+renamed when complete; --resume continues an interrupted run from its last
+checkpoint. Bad input exits with code 2 and one line saying what to fix.
+Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.cli train ...
 """
 
 from __future__ import annotations
@@ -14,6 +25,13 @@ import ast
 import json
 import os
 import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line (exit code 2), like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"hf-sparsemax: error: {message} (see: {self.prog} --help)\n")
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -59,10 +77,81 @@ def decoding_report_command(args) -> int:
     return 0
 
 
+RECIPE_COMMANDS = {
+    "train": "fine-tune one variant of a recipe, evaluate it on the held-out split and sample from it",
+    "evaluate": "held-out metrics of a trained variant",
+    "generate": "matched sampling from a trained variant (eval.prompts)",
+    "compare": "train, evaluate and sample every variant; write a report folder",
+}
+
+
+def add_recipe_command(commands, name: str) -> None:
+    sub = commands.add_parser(name, help=RECIPE_COMMANDS[name], description=RECIPE_COMMANDS[name])
+    sub.add_argument("recipe", help="recipe YAML file, or a name in recipes/ (default, classify)")
+    sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                     help="override a recipe field, e.g. --set training.max_steps=20 (VALUE is YAML; repeatable)")
+    sub.add_argument("--output", help="results folder (default runs/<recipe name>)")
+    if name != "compare":
+        sub.add_argument("--variant", help="which of the recipe's variants (default: the first)")
+    if name in ("train", "compare"):
+        sub.add_argument("--resume", action="store_true",
+                         help="continue an interrupted run from its last checkpoint")
+
+
+def recipe_command(args) -> int:
+    from . import commands
+    from .recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.command == "compare":
+        out = commands.compare_command(recipe, args.output, args.resume)
+        summary(f"compared {len(out['results'])} variants of {recipe.name!r} in {out['seconds'] / 60:.1f} min", out)
+        return 0
+    if args.command == "train":
+        out = commands.train_command(recipe, args.variant, args.output, args.resume)
+        summary(f"trained {out['variant']!r} ({out['steps']} steps, {out['seconds']:.0f} s), final loss "
+                f"{out['final_loss']:.4f}, held-out {headline(out)}; saved in {out['folder']}", None)
+    elif args.command == "evaluate":
+        out = commands.evaluate_command(recipe, args.variant, args.output)
+        print(json.dumps(out, indent=2, default=str))
+        summary(f"evaluated {out['variant']!r}: {headline(out)}", None)
+    else:
+        out = commands.generate_command(recipe, args.variant, args.output)
+        for prompt, text in zip(out["prompts"], out["texts"]):
+            print(f"{prompt}{text}\n---")
+        summary(f"sampled {out['sample_tokens']} tokens from {out['variant']!r} with matched decoding; "
+                f"share of zero-probability tokens drawn: {out['sample_zero_prob_share']:.3f}", None)
+    return 0
+
+
+def headline(out: dict) -> str:
+    if "macro_f1" in out:
+        return f"accuracy {out['accuracy']:.3f}, macro-F1 {out['macro_f1']:.3f}"
+    return (f"epsilon-perplexity {out['epsilon_perplexity']:.2f}, cross-entropy {out['cross_entropy']:.3f}, "
+            f"sparsemax score {out['sparsemax_score']:.4f}, zero-prob share {out['zero_prob_share']:.3f}")
+
+
+def summary(text: str, compared: dict | None) -> None:
+    """The one line that ends a run (only the main process prints it)."""
+    from .commands import is_main_process
+
+    if not is_main_process():
+        return
+    if compared is not None:
+        rows = compared["results"]
+        key, best = ("macro_f1", max) if "macro_f1" in rows[0] else ("epsilon_perplexity", min)
+        winner = best(rows, key=lambda r: r[key])
+        text += (f"; best {key.replace('_', '-')}: {winner['variant']} ({winner[key]:.3f}); "
+                 f"report: {os.path.join(compared['folder'], 'report.md')}")
+    print(f"hf-sparsemax: {text}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-sparsemax", description=__doc__,
+    parser = OneLineParser(prog="hf-sparsemax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in RECIPE_COMMANDS:
+        add_recipe_command(commands, name)
     report = commands.add_parser("decoding-report", help="how far sampling strays from the trained distribution")
     report.add_argument("--model", help="model id, folder or .gguf file (default: offline SmolLM2-135M-Instruct)")
     report.add_argument("--loss", help="the training loss whose distribution decoding should match")
@@ -74,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        if args.command in RECIPE_COMMANDS:
+            return recipe_command(args)
         return decoding_report_command(args)
     except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"hf-sparsemax: error: {error}", file=sys.stderr)
+        print(f"hf-sparsemax: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
 
 

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -42,3 +43,15 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("hf-sparsemax: error:") and "\n" not in err
     assert cli.main(["decoding-report", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+
+
+def test_recipe_commands_document_overrides_and_refuse_unknown_options(capsys):
+    for command in ("train", "evaluate", "generate", "compare"):
+        with pytest.raises(SystemExit) as done:
+            cli.main([command, "--help"])
+        assert done.value.code == 0 and "--set PATH=VALUE" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["compare", "default", "--epochs", "3"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-sparsemax: error: unrecognized arguments: --epochs 3") and "\n" not in err

@@ -1,0 +1,217 @@
+"""The recipe commands behind ``hf-sparsemax train | evaluate | generate | compare``.
+
+Folders are written atomically: work happens in ``<folder>.partial`` and is
+renamed to ``<folder>`` only when everything succeeded, so a failed or
+interrupted run never leaves a half-written report or model. Training
+checkpoints live in the ``.partial`` folder; ``resume=True`` continues from
+the last one (and ``compare`` skips the variants that had finished).
+Everything that can be checked before a model is loaded (the recipe, every
+variant's settings, the training arguments, the model's location) is checked
+first.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+from . import runner
+from .recipe_data import causal_lm_datasets, classification_datasets
+from .recipes import Recipe, RecipeError, Variant
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def default_output(recipe: Recipe) -> str:
+    return os.path.join("runs", recipe.name)
+
+
+def start_work(work: str, resume: bool) -> None:
+    """Create (or, with ``resume``, keep) the ``.partial`` work folder."""
+    if is_main_process():
+        if os.path.isdir(work) and not resume:
+            shutil.rmtree(work)
+        os.makedirs(work, exist_ok=True)
+    barrier()
+
+
+def publish(work: str, final: str) -> None:
+    """Rename the finished work folder to its final name, replacing an older result."""
+    barrier()
+    if not is_main_process():
+        return
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(work, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check(recipe: Recipe, variants: list[Variant]) -> None:
+    """Everything checkable before loading: training arguments of each variant, the model's location."""
+    for variant in variants:
+        args = runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
+        args.world_size  # sets up the process group under `accelerate launch`, so barrier() works from here on
+    runner.model_location(recipe.model)
+
+
+def load_everything(recipe: Recipe):
+    """``(tokenizer, train set, held-out set, labels or None, base model)``."""
+    tokenizer = runner.load_tokenizer(recipe)
+    labels = None
+    if recipe.task == "sequence_classification":
+        train_set, eval_set, labels = classification_datasets(recipe.data, tokenizer)
+    else:
+        train_set, eval_set = causal_lm_datasets(recipe.data, tokenizer)
+    return tokenizer, train_set, eval_set, labels, runner.load_base_model(recipe, labels)
+
+
+def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_set, eval_set, labels, work: str,
+                resume: bool, heatmap: bool) -> tuple[dict[str, Any], Any]:
+    """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map."""
+    model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
+    trainer = runner.make_trainer(recipe, variant, model, tokenizer, train_set, eval_set, work,
+                                  num_labels=len(labels) if labels else None, custom_loss=custom_loss)
+    results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
+                               "loss": describe(variant.loss, variant.loss_options)}
+    results.update(runner.train(trainer, work, resume))
+    results.update(runner.evaluate(trainer))
+    attention = None
+    if is_main_process():
+        runner.save_variant(work, recipe, variant, labels)
+        if recipe.task == "causal_lm":
+            results.update(runner.sample(trainer.model, tokenizer, recipe))
+            if heatmap:
+                from .report import zero_share
+
+                attention = runner.attention_map(trainer.model, tokenizer, recipe)
+                results["attention_zero_share"] = zero_share(attention[0])
+        runner.write_json(os.path.join(work, "results.json"), results)
+        shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
+    del trainer, model
+    gc.collect()
+    return results, attention
+
+
+def describe(name: str | None, options: dict[str, Any]) -> str:
+    text = name or "default"
+    return text + ("(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
+
+
+def train_command(recipe: Recipe, variant_name: str | None, output: str | None, resume: bool) -> dict[str, Any]:
+    """Fine-tune one variant into ``<output>/<variant>``, evaluate it on the held-out split, sample from it."""
+    variant = recipe.variant(variant_name)
+    check(recipe, [variant])
+    start = time.perf_counter()
+    tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
+    final = os.path.join(output or default_output(recipe), variant.name)
+    work = final + ".partial"
+    start_work(work, resume)
+    results, _ = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, work, resume,
+                             heatmap=False)
+    publish(work, final)
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    results["folder"] = final
+    return results
+
+
+def evaluate_command(recipe: Recipe, variant_name: str | None, output: str | None) -> dict[str, Any]:
+    """Held-out metrics of a trained variant (written to its results.json)."""
+    variant = recipe.variant(variant_name)
+    folder = os.path.join(output or default_output(recipe), variant.name)
+    model, tokenizer, trained, custom_loss, info = runner.load_trained(recipe, folder)
+    if recipe.task == "sequence_classification":
+        _, eval_set, _ = classification_datasets(recipe.data, tokenizer)
+    else:
+        _, eval_set = causal_lm_datasets(recipe.data, tokenizer)
+    trainer = runner.make_trainer(recipe, trained, model, tokenizer, None, eval_set, folder,
+                                  num_labels=len(info["labels"]) if info["labels"] else None, custom_loss=custom_loss)
+    results = runner.evaluate(trainer)
+    update_results(folder, results)
+    return {"variant": trained.name, "folder": folder, **results}
+
+
+def generate_command(recipe: Recipe, variant_name: str | None, output: str | None) -> dict[str, Any]:
+    """Matched sampling from a trained variant, with the share of zero-probability tokens drawn."""
+    if recipe.task != "causal_lm":
+        raise RecipeError(f"generate needs a causal_lm recipe; {recipe.name!r} is {recipe.task}")
+    variant = recipe.variant(variant_name)
+    folder = os.path.join(output or default_output(recipe), variant.name)
+    model, tokenizer, trained, _, _ = runner.load_trained(recipe, folder)
+    results = runner.sample(model, tokenizer, recipe)
+    update_results(folder, results)
+    return {"variant": trained.name, "folder": folder, "prompts": recipe.eval.prompts, **results}
+
+
+def update_results(folder: str, new: dict[str, Any]) -> None:
+    path = os.path.join(folder, "results.json")
+    old = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            old = json.load(handle)
+    tmp = path + ".tmp"
+    runner.write_json(tmp, {**old, **new})
+    os.replace(tmp, path)
+
+
+def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[str, Any]:
+    """Every variant on the same model and split; a report folder with table, plots, samples and weights."""
+    from . import report
+
+    variants = recipe.all_variants()
+    check(recipe, variants)
+    start = time.perf_counter()
+    tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
+    final = output or default_output(recipe)
+    work = final.rstrip("/") + ".partial"
+    start_work(work, resume)
+    results, maps, histories = [], {}, {}
+    for variant in variants:
+        vdir = os.path.join(work, variant.name)
+        done = os.path.join(vdir, "results.json")
+        if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):
+            with open(done, encoding="utf-8") as handle:
+                result = json.load(handle)
+            attention = None
+            if recipe.task == "causal_lm" and is_main_process():
+                model, _, _, _, _ = runner.load_trained(recipe, vdir)
+                attention = runner.attention_map(model, tokenizer, recipe)
+                del model
+        else:
+            os.makedirs(vdir, exist_ok=True)
+            result, attention = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, vdir,
+                                            resume, heatmap=True)
+        results.append(result)
+        if attention is not None:
+            maps[variant.name] = attention
+        if is_main_process():
+            with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
+                histories[variant.name] = json.load(handle)
+    seconds = time.perf_counter() - start
+    if is_main_process():
+        figures = ["loss_curves.png"]
+        report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"))
+        if maps:
+            layer = recipe.eval.heatmap_layer % base.config.num_hidden_layers
+            report.plot_attention(maps, os.path.join(work, "attention_heatmap.png"), layer, recipe.eval.heatmap_head)
+            figures.append("attention_heatmap.png")
+            report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
+        report.write_report(work, recipe, results, seconds, figures)
+        runner.write_json(os.path.join(work, "results.json"), results)
+        runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
+    publish(work, final)
+    return {"folder": final, "seconds": round(seconds, 1), "results": results}

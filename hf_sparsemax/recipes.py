@@ -1,0 +1,325 @@
+"""Recipes: a YAML file naming model, data, attention, loss, LoRA, training and evaluation settings.
+
+A recipe is read into :class:`Recipe`, a small validated object. Every field
+can be overridden from the command line with ``--set PATH=VALUE``: ``PATH`` is
+the dotted key (``training.max_steps``, ``data.block_size``,
+``variants.entmax15.loss_options.alpha``), ``VALUE`` is read as YAML
+(``20``, ``5e-4``, ``true``, ``[q_proj, v_proj]``, ``null``). Unknown keys
+anywhere raise :class:`RecipeError` naming the keys that exist, so a typo
+never silently does nothing.
+
+``variants`` names the settings ``compare`` trains side by side; each one
+overrides the recipe's ``attn``, ``attn_options``, ``loss``, ``loss_options``
+and, key by key, ``training``. ``training`` is passed through to
+``transformers.TrainingArguments`` and ``lora`` to ``peft.LoraConfig``
+(``null`` = full fine-tuning).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any
+
+import yaml
+
+from .settings import SparseSettings
+
+TASKS = ("causal_lm", "sequence_classification")
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+
+TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArguments otherwise)
+    "report_to": "none",
+    "use_cpu": True,
+    "seed": 0,
+    "logging_steps": 1,
+    "save_strategy": "steps",
+    "save_steps": 10,
+    "save_total_limit": 1,
+    "lr_scheduler_type": "constant",
+}
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override of it) that cannot run; the message says what to fix."""
+
+
+@dataclasses.dataclass
+class DataSpec:
+    """Where the text comes from and how it is split, deterministically.
+
+    ``source``: ``"fortunes"`` (the offline FreeBSD corpus; ``categories``
+    picks its files), a ``datasets`` dataset name (``config``, ``split``,
+    ``text_field``, ``label_field``), or local ``.txt`` (one entry per
+    paragraph) / ``.json`` / ``.jsonl`` / ``.csv`` files (a path or a list).
+    An entry goes to the held-out side when a hash of its text says so
+    (``eval_fraction``), so the split does not depend on sizes or order.
+    Causal LM: entries are packed into blocks of ``block_size`` tokens;
+    ``train_size`` / ``eval_size`` count blocks. Classification: they count
+    examples per label (balanced), truncated to ``max_length`` tokens.
+    """
+
+    source: Any = "fortunes"
+    categories: list[str] | None = None
+    config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    label_field: str = "label"
+    block_size: int = 64
+    max_length: int = 128
+    train_size: int = 256
+    eval_size: int = 32
+    eval_fraction: float = 0.1
+    min_chars: int = 1
+    max_chars: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.source, (list, tuple)):
+            self.source = [str(s) for s in self.source]
+        elif not isinstance(self.source, str) or not self.source:
+            raise RecipeError(f"data.source must be 'fortunes', a dataset name or file path(s), got {self.source!r}")
+        for name in ("block_size", "max_length", "train_size", "eval_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RecipeError(f"data.{name} must be a positive integer, got {value!r}")
+        if not 0 < float(self.eval_fraction) < 1:
+            raise RecipeError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction!r}")
+
+
+@dataclasses.dataclass
+class EvalSpec:
+    """Evaluation and sampling: metrics' ``epsilon``, prompts for matched sampling, the heatmap sentence."""
+
+    epsilon: float = 1e-6
+    batch_size: int = 8
+    prompts: list[str] = dataclasses.field(default_factory=lambda: ["The secret of a happy life is"])
+    max_new_tokens: int = 32
+    seed: int = 0
+    heatmap_text: str = "Anything that can go wrong will go wrong, and at the worst possible moment."
+    heatmap_layer: int = -1
+    heatmap_head: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompts, str):
+            self.prompts = [self.prompts]
+        if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
+            raise RecipeError("eval.prompts must be a non-empty list of strings")
+        if not float(self.epsilon) > 0:
+            raise RecipeError(f"eval.epsilon must be > 0, got {self.epsilon!r}")
+
+
+@dataclasses.dataclass
+class Variant:
+    """One trained model of a comparison: its attention, loss and training overrides."""
+
+    name: str
+    attn: str | None = None
+    attn_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    loss: str | None = None
+    loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def settings(self) -> SparseSettings:
+        return SparseSettings(attn=self.attn, attn_options=self.attn_options, loss=self.loss,
+                              loss_options=self.loss_options)
+
+    def describe(self) -> str:
+        def part(name, options):
+            return (name or "default") + ("(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
+        return f"attn={part(self.attn or 'softmax', self.attn_options)} loss={part(self.loss or 'cross_entropy', self.loss_options)}"
+
+
+@dataclasses.dataclass
+class Recipe:
+    """A whole recipe. ``model``: ``"smollm2"`` / ``"minilm"`` (offline assets), a model id, a folder or a .gguf."""
+
+    name: str = "recipe"
+    task: str = "causal_lm"
+    model: str = "smollm2"
+    data: DataSpec = dataclasses.field(default_factory=DataSpec)
+    attn: str | None = "softmax"
+    attn_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    loss: str | None = "cross_entropy"
+    loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lora: dict[str, Any] | None = None
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    variants: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise RecipeError(f"task must be one of {list(TASKS)}, got {self.task!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise RecipeError(f"model must be a model id, folder, .gguf file, 'smollm2' or 'minilm', got {self.model!r}")
+        self.training = {**TRAINING_DEFAULTS, **(self.training or {})}
+        check_training("training", self.training)
+        if self.lora is not None:
+            check_keys("lora", self.lora, lora_fields())
+        if not isinstance(self.variants, dict):
+            raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
+        for variant in self.all_variants():  # validates names and options of every variant
+            variant.settings
+            check_training(f"variants.{variant.name}.training", variant.training)
+
+    def all_variants(self) -> list[Variant]:
+        """The variants to compare, in recipe order (the recipe's own settings alone when it names none)."""
+        base = {"attn": self.attn, "attn_options": self.attn_options, "loss": self.loss,
+                "loss_options": self.loss_options}
+        if not self.variants:
+            return [Variant("base", **copy.deepcopy(base))]
+        out = []
+        for name, spec in self.variants.items():
+            spec = spec or {}
+            if not isinstance(spec, dict):
+                raise RecipeError(f"variants.{name} must be a mapping, got {spec!r}")
+            check_keys(f"variants.{name}", spec, [f.name for f in dataclasses.fields(Variant) if f.name != "name"])
+            merged = {**copy.deepcopy(base), **copy.deepcopy(spec)}
+            if "attn" in spec and "attn_options" not in spec:
+                merged["attn_options"] = {}
+            if "loss" in spec and "loss_options" not in spec:
+                merged["loss_options"] = {}
+            try:
+                variant = Variant(str(name), **merged)
+                variant.settings
+            except ValueError as error:
+                raise RecipeError(f"variants.{name}: {error}") from None
+            out.append(variant)
+        return out
+
+    def variant(self, name: str | None) -> Variant:
+        variants = self.all_variants()
+        if name is None:
+            return variants[0]
+        for variant in variants:
+            if variant.name == name:
+                return variant
+        raise RecipeError(f"no variant {name!r} in recipe {self.name!r}: choose one of {[v.name for v in variants]}")
+
+    def training_args(self, variant: Variant) -> dict[str, Any]:
+        return {**self.training, **variant.training}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def training_fields() -> list[str]:
+    from transformers import TrainingArguments
+
+    return [f.name for f in dataclasses.fields(TrainingArguments) if f.init and f.name != "output_dir"]
+
+
+def check_training(where: str, training: dict[str, Any]) -> None:
+    """Known TrainingArguments fields; numbers and booleans where the field's default is one (in place).
+
+    YAML reads ``5e-4`` (no dot) as a string: such strings become numbers here.
+    """
+    from transformers import TrainingArguments
+
+    check_keys(where, training, training_fields())
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    for key, value in training.items():
+        default = defaults.get(key)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise RecipeError(f"{where}.{key} must be true or false, got {value!r}")
+        elif isinstance(default, (int, float)) and value is not None:
+            kind = float if isinstance(default, float) else int
+            try:
+                number = kind(value) if not isinstance(value, bool) else None
+            except (TypeError, ValueError):
+                number = None
+            if number is None or (kind is int and isinstance(value, float) and value != number):
+                raise RecipeError(f"{where}.{key} must be {'a number' if kind is float else 'an integer'}, "
+                                  f"got {value!r}")
+            training[key] = number
+
+
+def lora_fields() -> list[str]:
+    from peft import LoraConfig
+
+    return [f.name for f in dataclasses.fields(LoraConfig) if f.init]
+
+
+def check_keys(where: str, data: Any, allowed) -> None:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where} must be a mapping, got {data!r}")
+    unknown = sorted(set(map(str, data)) - set(allowed))
+    if unknown:
+        shown = sorted(allowed) if len(allowed) <= 20 else "the fields of its class"
+        raise RecipeError(f"unknown field(s) {unknown} in {where}: valid are {shown}")
+
+
+def resolve_path(spec: str) -> str:
+    """A recipe file: a path, or a name in ``./recipes/`` or the repository's ``recipes/`` (``default``)."""
+    if os.path.exists(spec):
+        return spec
+    for folder in ("recipes", RECIPE_DIR):
+        for candidate in (os.path.join(folder, spec), os.path.join(folder, spec + ".yaml")):
+            if os.path.isfile(candidate):
+                return candidate
+    raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or a name in {RECIPE_DIR}")
+
+
+def apply_override(data: dict[str, Any], text: str) -> None:
+    """Apply one ``PATH=VALUE`` override (VALUE read as YAML) to the raw recipe dict, in place."""
+    if "=" not in text:
+        raise RecipeError(f"--set expects PATH=VALUE (e.g. training.max_steps=20), got {text!r}")
+    path, raw = text.split("=", 1)
+    keys = [k for k in path.strip().split(".")]
+    if not all(keys):
+        raise RecipeError(f"--set: bad field path {path!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise RecipeError(f"--set {path}: value {raw!r} is not valid YAML ({one_line(error)})") from None
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {path}: {key!r} holds {child!r}, not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_recipe(spec: str, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; raises :class:`RecipeError` with a one-line message."""
+    path = resolve_path(spec)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        raise RecipeError(f"recipe {path} is not valid YAML: {one_line(error)}") from None
+    except OSError as error:
+        raise RecipeError(f"cannot read recipe {path}: {error.strerror}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a YAML mapping of fields, got {type(data).__name__}")
+    data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    for text in overrides:
+        apply_override(data, text)
+    return recipe_from_dict(data)
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    check_keys("the recipe", data, [f.name for f in dataclasses.fields(Recipe)])
+    data = dict(data)
+    try:
+        for key, cls in (("data", DataSpec), ("eval", EvalSpec)):
+            section = data.get(key) or {}
+            check_keys(key, section, [f.name for f in dataclasses.fields(cls)])
+            data[key] = cls(**section)
+        return Recipe(**data)
+    except RecipeError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise RecipeError(one_line(error)) from None
+
+
+def one_line(error: BaseException | str) -> str:
+    return " ".join(str(error).split())

@@ -1,0 +1,151 @@
+"""The report of ``hf-sparsemax compare``: report.md (a Markdown table), loss curves, attention heatmaps, samples.
+
+Plots use matplotlib's Agg backend (no display needed). In the heatmap, exact
+zeros are drawn white: positions the causal mask removes (every variant) and
+the extra zeros sparse attention gives; the title counts the share of exact
+zeros among the positions the mask allows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+CAUSAL_COLUMNS = [  # (results key, header, format)
+    ("final_loss", "final train loss", "{:.3f}"),
+    ("cross_entropy", "held-out CE", "{:.3f}"),
+    ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
+    ("sparsemax_score", "sparsemax score", "{:.4f}"),
+    ("jensen_shannon", "Jensen-Shannon", "{:.4f}"),
+    ("accuracy", "token accuracy", "{:.3f}"),
+    ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
+    ("support_size", "mean support", "{:.1f}"),
+    ("sample_zero_prob_share", "sampled p=0 share", "{:.3f}"),
+    ("attention_zero_share", "attention zeros", "{:.0%}"),
+    ("train_seconds", "train s", "{:.0f}"),
+]
+CLASSIFICATION_COLUMNS = [
+    ("final_loss", "final train loss", "{:.3f}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("macro_f1", "macro-F1", "{:.3f}"),
+    ("cross_entropy", "held-out CE", "{:.3f}"),
+    ("sparsemax_score", "sparsemax score", "{:.4f}"),
+    ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
+    ("support_size", "mean support", "{:.2f}"),
+    ("train_seconds", "train s", "{:.0f}"),
+]
+
+
+def columns(task: str):
+    return CLASSIFICATION_COLUMNS if task == "sequence_classification" else CAUSAL_COLUMNS
+
+
+def cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return fmt.format(value)
+
+
+def results_table(results: list[dict[str, Any]], task: str) -> str:
+    """A Markdown table: one row per variant, the task's metric columns."""
+    cols = columns(task)
+    lines = ["| variant | attention | loss | " + " | ".join(h for _, h, _ in cols) + " |",
+             "|---|---|---|" + "---:|" * len(cols)]
+    for r in results:
+        lines.append(f"| {r['variant']} | {r['attn']} | {r['loss']} | "
+                     + " | ".join(cell(r.get(k), f) for k, _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def plot_loss_curves(histories: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """Training loss per step, one panel per variant (the losses have different scales)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(histories), figsize=(4.2 * len(histories), 3.2), squeeze=False)
+    for ax, (name, history) in zip(axes[0], histories.items()):
+        steps = [e["step"] for e in history if "loss" in e]
+        ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".", label="train")
+        evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+        if evals:
+            ax.plot(*zip(*evals), marker="o", label="held-out")
+            ax.legend()
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (the variant's own)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def zero_share(weights: np.ndarray) -> float:
+    """Share of exact zeros among the causally allowed positions (lower triangle with the diagonal)."""
+    allowed = np.tril(np.ones_like(weights, dtype=bool))
+    return float((weights[allowed] == 0).mean())
+
+
+def plot_attention(maps: dict[str, tuple[np.ndarray, list[str]]], path: str, layer: int, head: int) -> None:
+    """One heatmap per variant of the same sentence; exact zeros white."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = max(len(tokens) for _, tokens in maps.values())
+    fig, axes = plt.subplots(1, len(maps), figsize=(max(5.0, 0.28 * size + 2) * len(maps), 0.28 * size + 2.2),
+                             squeeze=False)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    for ax, (name, (weights, tokens)) in zip(axes[0], maps.items()):
+        image = ax.imshow(np.ma.masked_equal(weights, 0.0), cmap=cmap, vmin=0, vmax=max(float(weights.max()), 1e-9))
+        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(tokens)), tokens, fontsize=7)
+        ax.set_title(f"{name}\nlayer {layer} head {head}: {zero_share(weights):.0%} exact zeros (allowed cells)",
+                     fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_samples(results: list[dict[str, Any]], prompts: list[str], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for r in results:
+            handle.write(f"=== {r['variant']} ({r['attn']} attention, {r['loss']} loss; matched decoding) ===\n")
+            for prompt, text in zip(prompts, r.get("texts", [])):
+                handle.write(f"{prompt}{text}\n---\n")
+            handle.write("\n")
+
+
+def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: float, figures: list[str]) -> str:
+    """report.md of a comparison; returns its path."""
+    lines = [f"# hf-sparsemax compare: recipe `{recipe.name}`", "",
+             f"Model `{recipe.model}`, task `{recipe.task}`, data `{recipe.data.source}`"
+             f"{' ' + str(recipe.data.categories) if recipe.data.categories else ''}; "
+             f"{'LoRA ' + str(recipe.lora) if recipe.lora is not None else 'full fine-tuning'}; "
+             f"wall-clock {seconds:.0f} s (model loading included).", "",
+             results_table(results, recipe.task), ""]
+    if recipe.task == "causal_lm":
+        lines += ["Held-out metrics are computed under each model's own distribution (the mapping its loss "
+                  "trains): cross-entropy is `inf` as soon as one held-out token gets probability 0; "
+                  "epsilon-perplexity (eps = " + str(recipe.eval.epsilon) + "), sparsemax score and "
+                  "Jensen-Shannon stay finite. `sampled p=0 share`: tokens drawn by matched decoding that the "
+                  "training distribution gives probability 0 (0 when decoding matches training). Final train "
+                  "losses are each variant's own loss and are not comparable across losses.", ""]
+    for figure in figures:
+        lines += [f"![{figure}]({figure})", ""]
+    if recipe.task == "causal_lm":
+        lines += ["Samples (matched decoding): `samples.txt`. "]
+    lines += ["Trained adapters / weights: `<variant>/model/`; settings: `<variant>/variant.json`; "
+              "logs: `<variant>/log_history.json`; all numbers: `results.json`.", ""]
+    path = os.path.join(folder, "report.md")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines))
+    return path

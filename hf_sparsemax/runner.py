@@ -1,0 +1,347 @@
+"""Running one variant of a recipe: load the model, patch it, train with ``Trainer``, evaluate, sample.
+
+A trained variant is a folder::
+
+    <variant>/model/          the adapter (LoRA) or the full weights, with the tokenizer
+    <variant>/variant.json    the recipe's model, the variant's attention / loss settings, lora or not
+    <variant>/log_history.json  Trainer's log (training loss per step, evaluations)
+    <variant>/results.json    held-out metrics and samples (after evaluation)
+
+Bad input (a missing model or dataset, a model transformers cannot load, a
+``.gguf`` of an architecture transformers' GGUF loader does not know) raises
+:class:`~hf_sparsemax.recipes.RecipeError` before any folder is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import metrics
+from .losses import loss_mapping
+from .patch import base_model, compute_loss_func, patch_model, routes_loss_function
+from .recipes import Recipe, RecipeError, Variant, one_line
+
+
+def model_location(spec: str) -> tuple[str, str | None]:
+    """``(folder or model id, gguf file name or None)`` for a recipe's ``model``."""
+    from . import assets
+
+    if spec == "smollm2":
+        return assets.smollm2_gguf()
+    if spec == "minilm":
+        return assets.minilm_folder(), None
+    if spec.lower().endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise RecipeError(f"model file {spec} not found: fix `model` (a model id, folder or .gguf file)")
+        folder, name = os.path.split(os.path.abspath(spec))
+        return folder, name
+    if os.path.exists(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise RecipeError(f"model folder {spec} has no config.json: give a folder saved by save_pretrained")
+        return spec, None
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith("/"):
+        raise RecipeError(f"model folder {spec} not found: fix `model` (a model id, folder or .gguf file)")
+    return spec, None
+
+
+def gguf_cache(folder: str, name: str) -> str:
+    """A ``save_pretrained`` copy of a GGUF model (de-quantised weights and tokenizer), made on first use.
+
+    Reading a GGUF file parses every tokenizer entry in Python (15-45 s for
+    SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
+    the safetensors copy loads in a second or two. It lives under
+    ``$HF_SPARSEMAX_CACHE`` (default ``~/.cache/hf_sparsemax``), keyed by the
+    file's path, size and modification time, and is written to a temporary
+    folder first and renamed, so a crash never leaves a broken copy.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.join(folder, name)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_sparsemax")
+    target = os.path.join(root, "gguf", f"{os.path.splitext(name)[0]}-{key}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    work = tempfile.mkdtemp(prefix=os.path.basename(target) + ".", dir=os.path.dirname(target))
+    model.save_pretrained(work)
+    tokenizer.save_pretrained(work)
+    os.chmod(work, 0o755)
+    try:
+        os.rename(work, target)
+    except OSError:  # another process made it meanwhile
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def local_model(spec: str) -> str:
+    """The folder to load a recipe's model from (GGUF files through :func:`gguf_cache`)."""
+    location, gguf = model_location(spec)
+    if gguf is None:
+        return location
+    try:
+        return gguf_cache(location, gguf)
+    except Exception as error:  # unsupported GGUF architecture, unreadable file
+        raise RecipeError(f"cannot load model {spec!r}: {explain(error, gguf)}") from None
+
+
+def explain(error: Exception, gguf: str | None) -> str:
+    """One line for a loading error; for GGUF files, the architectures transformers can read."""
+    text = one_line(error)
+    if gguf and "not supported" in text:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        known = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))
+        text += f" Use a .gguf of one of {known}, or a model folder / id."
+    return text
+
+
+def load_tokenizer(recipe: Recipe, folder: str | None = None):
+    from transformers import AutoTokenizer
+
+    location = folder or local_model(recipe.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+    except Exception as error:  # OSError, ValueError, hub errors: all mean "this model cannot be read"
+        raise RecipeError(f"cannot load the tokenizer of model {recipe.model!r}: {one_line(error)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(recipe: Recipe, labels: list[str] | None = None, folder: str | None = None):
+    """The recipe's pretrained model (or a saved fine-tuned ``folder``), de-quantised if it came from GGUF."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    location = folder or local_model(recipe.model)
+    kwargs: dict[str, Any] = {}
+    if recipe.task == "sequence_classification":
+        auto = AutoModelForSequenceClassification
+        kwargs.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
+                      label2id={name: i for i, name in enumerate(labels)})
+    else:
+        auto = AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(location, **kwargs)
+    except Exception as error:  # unsupported GGUF architecture, bad folder, unknown hub id, no network
+        raise RecipeError(f"cannot load model {recipe.model!r} for {recipe.task}: {one_line(error)}") from None
+    if model.config.pad_token_id is None and model.config.eos_token_id is not None:
+        eos = model.config.eos_token_id
+        model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return model
+
+
+def lora_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    task_type = "SEQ_CLS" if recipe.task == "sequence_classification" else "CAUSAL_LM"
+    try:
+        return LoraConfig(**{"task_type": task_type, **recipe.lora})
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"lora: {one_line(error)}") from None
+
+
+def prepare(model, recipe: Recipe, variant: Variant):
+    """Wrap in LoRA (if the recipe asks) and patch attention and loss. Returns ``(model, compute_loss_func)``.
+
+    Heads that hard-code cross-entropy (BERT, GPT-2 classification) get the
+    sparse loss through ``Trainer(compute_loss_func=...)`` instead.
+    """
+    if recipe.lora is not None:
+        from peft import get_peft_model
+        from transformers import set_seed
+
+        set_seed(recipe.training_args(variant).get("seed", 42))  # LoRA's random init: the same on every run
+        model = get_peft_model(model, lora_config(recipe))
+    loss, options = variant.loss, variant.loss_options
+    custom = None
+    if loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
+        custom = compute_loss_func(loss, task=recipe.task, **options)
+        loss, options = None, {}
+    patch_model(model, attn=variant.attn, loss=loss, attn_options=variant.attn_options or None,
+                loss_options=options or None)
+    return model, custom
+
+
+def variant_mapping(variant: Variant):
+    return loss_mapping(variant.loss or "cross_entropy", **variant.loss_options)
+
+
+def classification_metrics(mapping, num_labels: int, epsilon: float):
+    """``(preprocess, compute)`` for Trainer: accuracy, macro-F1 and the sparse metrics of the model's mapping."""
+
+    def preprocess(logits, labels):
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        stats = metrics.token_stats(mapping(logits.float()), labels)
+        return torch.cat([stats, logits.argmax(-1, keepdim=True).float()], -1)
+
+    def compute(eval_pred):
+        stats, labels = np.asarray(eval_pred.predictions), np.asarray(eval_pred.label_ids)
+        out = metrics.summarize(*(stats[:, i] for i in range(len(metrics.STATS))), vocab_size=num_labels,
+                                epsilon=epsilon)
+        predicted = stats[:, -1].astype(int)
+        out["accuracy"] = float((predicted == labels).mean())
+        out["macro_f1"] = macro_f1(predicted, labels, num_labels)
+        return out
+
+    return preprocess, compute
+
+
+def macro_f1(predicted: np.ndarray, labels: np.ndarray, num_labels: int) -> float:
+    scores = []
+    for c in range(num_labels):
+        tp = np.sum((predicted == c) & (labels == c))
+        fp, fn = np.sum((predicted == c) & (labels != c)), np.sum((predicted != c) & (labels == c))
+        scores.append(0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn))
+    return float(np.mean(scores))
+
+
+def training_arguments(recipe: Recipe, variant: Variant, output_dir: str):
+    from transformers import TrainingArguments
+
+    try:
+        return TrainingArguments(output_dir=output_dir, **recipe.training_args(variant))
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"training: {one_line(error)}") from None
+
+
+def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, eval_set, work_dir: str,
+                 num_labels: int | None = None, custom_loss=None):
+    """A ``Trainer`` for a prepared model (see :func:`prepare`), with the held-out metrics of its mapping."""
+    from transformers import DataCollatorWithPadding, Trainer, default_data_collator
+
+    args = training_arguments(recipe, variant, os.path.join(work_dir, "checkpoints"))
+    if recipe.task == "sequence_classification":
+        preprocess, compute = classification_metrics(variant_mapping(variant), num_labels, recipe.eval.epsilon)
+        collator = DataCollatorWithPadding(tokenizer)
+    else:
+        vocab = base_model(model).config.vocab_size
+        preprocess, compute = metrics.trainer_metrics(variant_mapping(variant), vocab, causal=True,
+                                                      epsilon=recipe.eval.epsilon)
+        collator = default_data_collator
+    args.per_device_eval_batch_size = recipe.eval.batch_size
+    return Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, data_collator=collator,
+                   processing_class=tokenizer, compute_loss_func=custom_loss,
+                   preprocess_logits_for_metrics=preprocess, compute_metrics=compute)
+
+
+def last_checkpoint(work_dir: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = os.path.join(work_dir, "checkpoints")
+    return get_last_checkpoint(folder) if os.path.isdir(folder) else None
+
+
+def train(trainer, work_dir: str, resume: bool) -> dict[str, Any]:
+    """Train (from the last checkpoint with ``resume``) and save the model; returns train metrics."""
+    checkpoint = last_checkpoint(work_dir) if resume else None
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    seconds = time.perf_counter() - start
+    trainer.save_model(os.path.join(work_dir, "model"))
+    if trainer.args.should_save:
+        write_json(os.path.join(work_dir, "log_history.json"), trainer.state.log_history)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"train_seconds": round(seconds, 1), "train_loss": result.training_loss,
+            "final_loss": losses[-1] if losses else None, "steps": trainer.state.global_step,
+            "resumed_from": os.path.basename(checkpoint) if checkpoint else None}
+
+
+def evaluate(trainer) -> dict[str, float]:
+    out = trainer.evaluate()
+    return {("eval_loss" if k == "eval_loss" else k.removeprefix("eval_")): v for k, v in out.items()}
+
+
+def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
+    """Matched sampling (the distribution the loss trained, no default top-k) and its consistency report."""
+    from .generation import decoding_report
+
+    model.eval()
+    report = decoding_report(model, tokenizer, recipe.eval.prompts, max_new_tokens=recipe.eval.max_new_tokens,
+                             seed=recipe.eval.seed, top_k=0, top_p=1.0)
+    return {"texts": report["texts"], "sample_zero_prob_share": report["zero_prob_share"],
+            "sample_support_size": report["mean_support_size"], "sample_tokens": report["tokens"]}
+
+
+def attention_map(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[str]]:
+    """``[q, kv]`` attention weights of ``eval.heatmap_layer`` / ``heatmap_head`` on ``eval.heatmap_text``."""
+    inner = base_model(model)
+    implementation = getattr(inner.config, "_attn_implementation", None)
+    switch = implementation in ("sdpa", "flash_attention_2", "flex_attention")
+    if switch:  # these kernels do not return weights; eager is the same softmax attention
+        inner.set_attn_implementation("eager")
+    try:
+        encoded = tokenizer(recipe.eval.heatmap_text, return_tensors="pt").to(inner.device)
+        model.eval()
+        with torch.no_grad():
+            out = model(**encoded, output_attentions=True)
+    finally:
+        if switch:
+            inner.set_attn_implementation(implementation)
+    if not out.attentions or out.attentions[0] is None:
+        raise RecipeError("the model returned no attention weights for the heatmap")
+    weights = out.attentions[recipe.eval.heatmap_layer][0, recipe.eval.heatmap_head].float().cpu().numpy()
+    tokens = tokenizer.convert_ids_to_tokens(encoded.input_ids[0])
+    return weights, [t.replace("Ġ", " ").replace("▁", " ") for t in tokens]
+
+
+def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None) -> None:
+    write_json(os.path.join(folder, "variant.json"), {
+        "recipe": recipe.name, "model": recipe.model, "task": recipe.task, "lora": recipe.lora is not None,
+        "variant": variant.name, "settings": variant.settings.to_dict(), "labels": labels,
+    })
+
+
+def load_trained(recipe: Recipe, folder: str):
+    """``(model, tokenizer, variant info)`` of a trained variant folder, patched as it was trained."""
+    info_path = os.path.join(folder, "variant.json")
+    if not os.path.isfile(info_path):
+        raise RecipeError(f"no trained variant in {folder}: run `hf-sparsemax train` (or compare) first")
+    with open(info_path, encoding="utf-8") as handle:
+        info = json.load(handle)
+    model_dir = os.path.join(folder, "model")
+    tokenizer = load_tokenizer(recipe, model_dir)
+    if info["lora"]:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_base_model(recipe, info["labels"]), model_dir)
+    else:
+        model = load_base_model(recipe, info["labels"], folder=model_dir)
+    settings = info["settings"]
+    variant = Variant(info["variant"], attn=settings.get("attn"), attn_options=settings.get("attn_options", {}),
+                      loss=settings.get("loss"), loss_options=settings.get("loss_options", {}))
+    custom = None
+    if variant.loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
+        custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
+        patch_model(model, attn=variant.attn, attn_options=variant.attn_options or None)
+    else:
+        patch_model(model, attn=variant.attn, loss=variant.loss, attn_options=variant.attn_options or None,
+                    loss_options=variant.loss_options or None)
+    model.eval()
+    return model, tokenizer, variant, custom, info
+
+
+def fresh_copy(model):
+    return copy.deepcopy(model)
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True, default=str)
+        handle.write("\n")

@@ -1,0 +1,271 @@
+"""Recipes and the train / evaluate / generate / compare commands, on tiny random models and real fortunes text."""
+
+import json
+import os
+import string
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Trainer)
+
+from hf_sparsemax import cli
+from hf_sparsemax.recipes import RECIPE_DIR, RecipeError, load_recipe
+
+CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
+
+
+def char_tokenizer(**special):
+    raw = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token="?"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   **special)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama with a character tokenizer (real fortunes text tokenizes into it)."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, pad_token_id=0)
+    BertForSequenceClassification(config).bert.save_pretrained(folder)
+    char_tokenizer(cls_token="[CLS]", sep_token="[SEP]").save_pretrained(folder)
+    return str(folder)
+
+
+def write_recipe(tmp_path, model, **changes):
+    """A small causal-LM recipe on real fortunes text; ``changes`` replace top-level sections."""
+    recipe = {
+        "name": "tiny",
+        "model": model,
+        "data": {"source": "fortunes", "categories": ["murphy"], "block_size": 32, "train_size": 16,
+                 "eval_size": 4},
+        "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "training": {"max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "save_steps": 2,
+                     "disable_tqdm": True},
+        "eval": {"batch_size": 4, "max_new_tokens": 6, "prompts": ["Murphy", "If"], "heatmap_text": "Anything goes"},
+        "variants": {
+            "softmax_ce": {},
+            "entmax15": {"attn": "entmax15", "loss": "entmax15"},
+            "top3": {"attn": "sparse_softmax", "attn_options": {"top_k": 2}, "loss": "sparse_softmax",
+                     "loss_options": {"top_k": 3}},
+        },
+    }
+    recipe.update(changes)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def run(*argv):
+    return cli.main([str(a) for a in argv])
+
+
+def test_shipped_recipes_are_valid():
+    for name in ("default", "classify"):
+        recipe = load_recipe(os.path.join(RECIPE_DIR, name + ".yaml"))
+        assert len(recipe.all_variants()) == 3
+    default = load_recipe("default", ["training.max_steps=7", "variants.entmax15.loss_options={}"])
+    assert default.training["max_steps"] == 7 and default.training["report_to"] == "none"
+    assert [v.describe() for v in default.all_variants()][2] == "attn=entmax15 loss=entmax15"
+
+
+def test_overrides_reach_their_field_and_unknown_fields_are_refused():
+    recipe = load_recipe("default", ["data.block_size=16", "lora.r=2", "variants.top3={loss: sparsemax}",
+                                     "eval.prompts=[hi]"])
+    assert recipe.data.block_size == 16 and recipe.lora["r"] == 2 and recipe.eval.prompts == ["hi"]
+    assert recipe.variant("top3").loss == "sparsemax" and recipe.variant("top3").attn == "softmax"
+    for bad in ("training.max_stepz=3", "data.blocksize=3", "lora.rank=3", "modle=x", "variants.x.los=y",
+                "variants.entmax15.attn=entmax17", "variants.entmax15.loss_options.top_k=3", "data.block_size=0"):
+        with pytest.raises(RecipeError):
+            load_recipe("default", [bad])
+
+
+def test_train_evaluate_generate(tiny_llama, tmp_path, capsys):
+    recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "runs"
+    assert run("train", recipe, "--variant", "entmax15", "--output", out) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("hf-sparsemax: trained 'entmax15' (3 steps") and "epsilon-perplexity" in summary
+    folder = out / "entmax15"
+    assert sorted(os.listdir(out)) == ["entmax15"]  # no .partial left, checkpoints removed
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(folder / "model"))
+    results = json.loads((folder / "results.json").read_text())
+    assert results["steps"] == 3 and results["tokens"] == 4 * 31 and results["sample_zero_prob_share"] == 0
+    assert 0 <= results["zero_prob_share"] <= 1 and results["epsilon_perplexity"] > 1
+
+    assert run("evaluate", recipe, "--variant", "entmax15", "--output", out) == 0
+    printed = capsys.readouterr().out
+    evaluated = json.loads(printed[printed.rindex("{\n"):printed.rindex("}") + 1])
+    assert evaluated["epsilon_perplexity"] == pytest.approx(results["epsilon_perplexity"], rel=1e-5)
+    assert evaluated["support_size"] == pytest.approx(results["support_size"], rel=1e-5)
+
+    assert run("generate", recipe, "--variant", "entmax15", "--output", out, "--set", "eval.prompts=[Hello]") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("Hello") and "zero-probability tokens drawn: 0.000" in lines[-1]
+
+
+def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
+    recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "report"
+    assert run("compare", recipe, "--output", out, "--set", "training.max_steps=2") == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("hf-sparsemax: compared 3 variants") and summary.endswith("report.md")
+    files = set(os.listdir(out))
+    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt", "results.json",
+            "softmax_ce", "entmax15", "top3"} <= files
+    assert not os.path.exists(str(out) + ".partial")
+    table = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 3 and "eps-perplexity" in table[0]
+    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    assert results["softmax_ce"]["zero_prob_share"] == 0 and results["softmax_ce"]["cross_entropy"] < 10
+    assert results["top3"]["support_size"] == 3 and results["top3"]["sample_zero_prob_share"] == 0
+    assert results["top3"]["attention_zero_share"] > 0 and results["softmax_ce"]["attention_zero_share"] == 0
+    assert "=== top3" in (out / "samples.txt").read_text()
+
+
+def test_resume_continues_from_the_last_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path, tiny_llama)
+    steps = ["--set", "training.max_steps=6", "--variant", "top3"]
+    assert run("train", recipe, "--output", tmp_path / "whole", *steps) == 0
+    whole = json.loads((tmp_path / "whole" / "top3" / "log_history.json").read_text())
+
+    original = Trainer.training_step
+
+    def interrupted(self, *args, **kwargs):
+        if self.state.global_step == 5:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run("train", recipe, "--output", tmp_path / "cut", *steps)
+    assert not (tmp_path / "cut" / "top3").exists()  # nothing published
+    assert os.listdir(tmp_path / "cut" / "top3.partial" / "checkpoints") == ["checkpoint-4"]
+    monkeypatch.setattr(Trainer, "training_step", original)
+    assert run("train", recipe, "--output", tmp_path / "cut", "--resume", *steps) == 0
+    resumed = json.loads((tmp_path / "cut" / "top3" / "log_history.json").read_text())
+    losses = lambda history: [(e["step"], e["loss"]) for e in history if "loss" in e]  # noqa: E731
+    assert losses(resumed)[-2:] == pytest.approx(losses(whole)[-2:], rel=1e-5)
+    assert [s for s, _ in losses(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "cut" / "top3" / "results.json").read_text())["resumed_from"] == "checkpoint-4"
+
+
+def test_classification_recipe_reports_accuracy_and_macro_f1(tiny_bert, tmp_path, capsys):
+    recipe = {
+        "name": "cls", "task": "sequence_classification", "model": tiny_bert,
+        "data": {"source": "fortunes", "categories": ["limerick", "murphy", "zippy"], "train_size": 8,
+                 "eval_size": 4, "max_length": 64},
+        "training": {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "disable_tqdm": True},
+        "variants": {"ce": {}, "sparsemax": {"loss": "sparsemax"}},
+    }
+    path = tmp_path / "cls.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert run("compare", path, "--output", tmp_path / "out") == 0
+    assert "best macro-f1" in capsys.readouterr().out.strip().splitlines()[-1]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["variant"] for r in results] == ["ce", "sparsemax"]
+    for r in results:
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 and r["tokens"] == 12
+    assert "macro-F1" in (tmp_path / "out" / "report.md").read_text()
+
+
+def gguf_of(path, architecture):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["yaml", "field", "override", "model", "data", "gguf", "variant", "option"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_llama, tmp_path, capsys, case):
+    recipe = write_recipe(tmp_path, tiny_llama)
+    args = ["train", recipe, "--output", tmp_path / "out"]
+    if case == "yaml":
+        (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+        args[1] = tmp_path / "bad.yaml"
+    elif case == "field":
+        args[1] = write_recipe(tmp_path, tiny_llama, trainer={"max_steps": 2})
+    elif case == "override":
+        args += ["--set", "training.max_step=2"]
+    elif case == "model":
+        args += ["--set", f"model={tmp_path / 'no_such_model'}"]
+    elif case == "data":
+        args += ["--set", f"data.source={tmp_path / 'missing.txt'}"]
+    elif case == "gguf":
+        args += ["--set", f"model={gguf_of(tmp_path / 'bert.gguf', 'bert')}"]
+    elif case == "variant":
+        args += ["--variant", "nope"]
+    else:
+        args += ["--set", "variants.entmax15.attn_options={top_k: 3}"]
+    capsys.readouterr()
+    assert run(*args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-sparsemax: error:") and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(tiny_llama, tmp_path):
+    """``accelerate launch --num_processes 2`` on CPU (gloo), half the batch per process: the same run."""
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path, tiny_llama)
+    common = ["train", recipe, "--variant", "top3", "--set", "training.max_steps=4"]
+    assert run(*common, "--output", tmp_path / "one", "--set", "training.per_device_train_batch_size=4") == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.cli"]
+    done = subprocess.run([*launch, *map(str, common), "--output", str(tmp_path / "two"),
+                           "--set", "training.per_device_train_batch_size=2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("hf-sparsemax: trained 'top3'") == 1  # one summary line, from the main process
+
+    def losses(folder):
+        history = json.loads((tmp_path / folder / "top3" / "log_history.json").read_text())
+        return [e["loss"] for e in history if "loss" in e]
+
+    assert len(losses("two")) == 4
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
+    """The README's main job, shrunk to 2 steps of 8 short blocks per variant."""
+    out = tmp_path / "default"
+    shrink = ["training.max_steps=2", "data.block_size=32", "data.train_size=16", "data.eval_size=4",
+              "eval.max_new_tokens=8", "training.disable_tqdm=true"]
+    assert run("compare", "default", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
+    assert "best epsilon-perplexity" in capsys.readouterr().out.strip().splitlines()[-1]
+    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15"]
+    assert 0 < results["softmax_ce"]["cross_entropy"] < 10 and results["softmax_ce"]["zero_prob_share"] == 0
+    assert results["sparse_softmax_top10"]["support_size"] == 10
+    assert results["entmax15"]["attention_zero_share"] > 0.2 and results["softmax_ce"]["attention_zero_share"] == 0
+    for r in results.values():
+        assert r["sample_zero_prob_share"] == 0 and r["steps"] == 2 and 1 < r["epsilon_perplexity"] < 1e6
+        assert all(len(text.split()) >= 2 for text in r["texts"]), r["texts"]
+    for name in results:
+        assert (out / name / "model" / "adapter_model.safetensors").is_file()
+    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt"} <= set(os.listdir(out))
