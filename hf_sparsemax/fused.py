@@ -235,6 +235,8 @@ def fused_head_loss(
     ``chunk_size`` tokens of logits are live at a time (default 1024).
     Equals the unfused loss and gradients up to float rounding.
     """
+    if "fused" in loss_options:
+        raise ValueError("fused is an option of patch_model's loss_options, not of fused_head_loss")
     make_loss(loss, **loss_options)  # validates the name and options
     check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size)
     support_fn = support_function(loss, loss_options)
