@@ -31,6 +31,7 @@ by the incoming gradient in backward.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Callable
 
 import torch
@@ -169,7 +170,9 @@ def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shap
         rows, cols, vals = rows[order], cols[order], vals[order]
     crow = torch.zeros(shape[0] + 1, dtype=torch.long, device=rows.device)
     crow[1:] = torch.bincount(rows, minlength=shape[0]).cumsum(0)
-    return torch.sparse_csr_tensor(crow, cols, vals, shape)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used here are long stable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, cols, vals, shape, check_invariants=False)
 
 
 def dense_gradient(p, z, h, t, weight, softcap, start, n, dense):
