@@ -113,7 +113,7 @@ class SparseHeadLossFunction(torch.autograd.Function):
         masked = masked_below(hidden.dtype)
         needs_grad = any(ctx.needs_input_grad[:3])
         total = torch.zeros((), dtype=dtype, device=hidden.device)
-        rows_, cols, vals = [], [], []
+        entry_rows, cols, vals = [], [], []
         dense = None  # (dh, dW, db) of the chunks with a dense gradient
         for start in range(0, n, chunk_size):
             h, t = hidden[start : start + chunk_size], target[start : start + chunk_size]
@@ -135,32 +135,31 @@ class SparseHeadLossFunction(torch.autograd.Function):
             g = torch.cat([p, p.new_full((len(t), 1), -1.0)], -1)
             if softcap is not None:  # dz/dx = 1 - (z / c)**2 on the support and the target
                 g = g * (1 - (z.gather(-1, index) / softcap).square())
-            rows_.append(torch.arange(start, start + len(t), device=h.device).repeat_interleave(index.shape[1]))
+            entry_rows.append(torch.arange(start, start + len(t), device=h.device).repeat_interleave(index.shape[1]))
             cols.append(index.reshape(-1))
             vals.append(g.reshape(-1))
         empty = hidden.new_zeros(0, dtype=torch.long)
-        coo = (torch.cat(rows_), torch.cat(cols), torch.cat(vals)) if rows_ else (empty, empty, empty.to(dtype))
-        ctx.has_bias, ctx.dense = bias is not None, dense is not None
+        coo = (torch.cat(entry_rows), torch.cat(cols), torch.cat(vals)) if entry_rows else (empty, empty, empty.to(dtype))
         ctx.save_for_backward(hidden, weight, *coo, *(dense or ()))
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, rows, cols, vals, *dense = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, vocab, dtype = hidden.shape[0], weight.shape[0], vals.dtype
-        dh = sparse_rows(rows, cols, vals, (n, vocab)) @ weight.to(dtype)
-        dw = sparse_rows(cols, rows, vals, (vocab, n)) @ hidden.to(dtype)
-        db = torch.zeros(vocab, dtype=dtype, device=vals.device).index_add_(0, cols, vals) if ctx.has_bias else None
-        if ctx.dense:
-            dh, dw = dh + dense[0], dw + dense[1]
-            db = db + dense[2] if db is not None else None
         grad_total = grad_total.to(dtype)
-        return (
-            (dh * grad_total).to(hidden.dtype),
-            (dw * grad_total).to(weight.dtype),
-            (db * grad_total).to(weight.dtype) if db is not None else None,
-            None, None, None, None,
-        )
+        dh = dw = db = None
+        if need_h:
+            dh = sparse_rows(rows, cols, vals, (n, vocab)) @ weight.to(dtype)
+            dh = ((dh + dense[0]) if dense else dh).mul_(grad_total).to(hidden.dtype)
+        if need_w:  # a frozen head (LoRA) skips the [V, H] product
+            dw = sparse_rows(cols, rows, vals, (vocab, n)) @ hidden.to(dtype)
+            dw = ((dw + dense[1]) if dense else dw).mul_(grad_total).to(weight.dtype)
+        if need_b:
+            db = torch.zeros(vocab, dtype=dtype, device=vals.device).index_add_(0, cols, vals)
+            db = ((db + dense[2]) if dense else db).mul_(grad_total).to(weight.dtype)
+        return dh, dw, db, None, None, None, None
 
 
 def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
