@@ -73,48 +73,44 @@ def setup(tokens):
     return {name: call(fn) for name, fn in contenders().items()}
 
 
-def smollm2_shaped(loss):
+def smollm2_shaped():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).train()
-    if loss is not None:
-        hs.patch_model(model, loss=loss[0], loss_options=loss[1])
-    return model
+    return LlamaForCausalLM(config).train()
 
 
-STEP_CONTENDERS = {
-    "cross_entropy (HF)": None,
+STEP_CONTENDERS = {  # name -> patch_model(loss=..., loss_options=...)
+    "cross_entropy (HF)": ("cross_entropy", None),
     "unfused sparse_softmax(top_k=64)": ("sparse_softmax", {"top_k": 64}),
     "fused sparse_softmax(top_k=64)": ("sparse_softmax", {"top_k": 64, "fused": True}),
-    "unfused entmax15": ("entmax15", {}),
-    "fused entmax15": ("entmax15", {"fused": True}),
 }
 
 
 def setup_step(batch, length, names=None):
+    """One model and optimizer shared by the contenders (re-patched before each step: memory stays one model's)."""
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (batch, length))
-    steps = {}
-    for name, loss in STEP_CONTENDERS.items():
-        if names is not None and name not in names:
-            continue
-        model = smollm2_shaped(loss)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model = smollm2_shaped()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-        def step(model=model, optimizer=optimizer):
+    def step_with(loss, options):
+        def step():
+            hs.patch_model(model, loss=loss, loss_options=options)
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        steps[name] = step
-    return steps
+        return step
+
+    return {name: step_with(*loss) for name, loss in STEP_CONTENDERS.items() if names is None or name in names}
 
 
 def setup_one_step(batch, length, name):
+    """The first step: its peak includes AdamW's state (2 x 540 MB), the same for every contender."""
     return setup_step(batch, length, {name})
 
 
