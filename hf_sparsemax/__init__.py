@@ -19,6 +19,7 @@ from .generation import (
     decoding_report,
     logits_processors,
 )
+from .fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
 from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor_softmax
 
@@ -39,6 +40,8 @@ __all__ = [
     "patch_model",
     "unpatch_model",
     "EntmaxBisectLoss",
+    "FusedHeadLoss",
+    "fused_head_loss",
     "SparseSoftmaxLoss",
     "SparsemaxLoss",
     "entmax15",

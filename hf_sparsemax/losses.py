@@ -280,16 +280,28 @@ LOSS_FUNCTIONS = {
     "entmax15": entmax15_loss,
     "entmax_bisect": entmax_bisect_loss,
 }
-LOSS_OPTIONS = {"sparse_softmax": ("top_k", "top_p"), "sparsemax": (), "entmax15": (), "entmax_bisect": ("alpha",)}
+# "fused" (every loss): patch_model computes a causal LM's loss from its hidden states (hf_sparsemax.fused)
+LOSS_OPTIONS = {
+    "sparse_softmax": ("top_k", "top_p", "fused"),
+    "sparsemax": ("fused",),
+    "entmax15": ("fused",),
+    "entmax_bisect": ("alpha", "fused"),
+}
 
 
 def make_loss(name: str, **options) -> Callable[..., torch.Tensor]:
-    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a loss name and its options."""
+    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a loss name and its options.
+
+    The option ``fused`` is validated here and otherwise ignored: it tells
+    :func:`~hf_sparsemax.patch_model` where to compute the loss, not what it is.
+    """
     if name not in LOSS_FUNCTIONS:
         raise ValueError(f"unknown loss {name!r}: choose one of {list(LOSS_FUNCTIONS)}")
     unknown = sorted(set(options) - set(LOSS_OPTIONS[name]))
     if unknown:
         raise ValueError(f"{unknown} are not options of loss {name!r}; it takes {list(LOSS_OPTIONS[name]) or 'none'}")
+    if not isinstance(options.pop("fused", False), bool):
+        raise ValueError("loss option fused must be True or False")
     if name == "sparse_softmax":
         check_top(options.get("top_k"), options.get("top_p"))
     if name == "entmax_bisect":

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
+from .fused import fused_head_loss
 from .generation import install_matched_generate, remove_matched_generate
 from .losses import make_loss
 from .settings import CONFIG_KEY, SparseSettings
@@ -177,6 +178,68 @@ def load_learned_alpha(inner) -> int:
     return loaded
 
 
+def check_fusable(model) -> None:
+    """A causal LM whose forward is ``base model -> lm_head`` (transformers' ``logits_to_keep`` layout)."""
+    params = inspect.signature(type(model).forward).parameters
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (model_task(model) != "causal_lm" or "logits_to_keep" not in params or "labels" not in params
+            or not isinstance(head, nn.Linear) or not hasattr(model, model.base_model_prefix)):
+        raise ValueError(
+            f"loss_options fused=True needs a causal LM whose forward runs its base model then an nn.Linear lm_head "
+            f"(with logits_to_keep, as LlamaForCausalLM); {type(model).__name__} is not one: drop fused"
+        )
+
+
+def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> None:
+    """Make ``model.forward`` (an instance attribute) compute the training loss from hidden states.
+
+    In training mode with ``labels``, the forward runs the base model, shifts
+    the labels as transformers does and returns
+    ``CausalLMOutputWithPast(loss=fused_head_loss(...), logits=None)``: the
+    ``[tokens, vocab]`` logits are never formed, so none are returned. In eval
+    mode, without labels (``generate``), or when the head is not a plain
+    ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) the original forward
+    runs unchanged, with its (unfused, equal) patched loss.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = type(model).forward
+    signature = inspect.signature(original)
+    options = {k: v for k, v in loss_options.items() if k != "fused"}
+
+    def forward(*args, **kwargs):
+        arguments = signature.bind(model, *args, **kwargs).arguments
+        labels = arguments.get("labels")
+        head = model.get_output_embeddings()
+        if labels is None or not model.training or type(head) is not nn.Linear:
+            return original(model, *args, **kwargs)
+        inputs = {k: v for k, v in arguments.items() if k not in ("self", "labels", "logits_to_keep", "kwargs")}
+        extra = dict(arguments.get("kwargs", {}))
+        num_items_in_batch = extra.pop("num_items_in_batch", None)
+        shift_labels = extra.pop("shift_labels", None)
+        outputs = getattr(model, model.base_model_prefix)(**inputs, **extra)
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        hidden = outputs[0]
+        loss_value = fused_head_loss(
+            hidden, head.weight, shift_labels.to(hidden.device), loss, bias=head.bias,
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+            num_items_in_batch=num_items_in_batch, **options,
+        )
+        return CausalLMOutputWithPast(loss=loss_value, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    forward.__signature__ = inspect.signature(original.__get__(model))
+    forward.__doc__ = original.__doc__
+    forward.hf_sparsemax_fused = True
+    model.forward = forward
+
+
+def remove_fused_forward(model) -> None:
+    if getattr(vars(model).get("forward"), "hf_sparsemax_fused", False):
+        del model.forward
+
+
 def patch_model(
     model,
     attn: str | None = None,
@@ -194,7 +257,10 @@ def patch_model(
     chunk, recomputed in backward: bounded memory on long sequences).
     ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
-    ``"entmax_bisect"`` (``alpha``). With no ``attn`` / ``loss`` the settings
+    ``"entmax_bisect"`` (``alpha``); every sparse loss also takes ``fused``:
+    ``True`` makes a causal LM in training mode compute the loss from its
+    hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
+    ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
     ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
@@ -218,11 +284,17 @@ def patch_model(
     if settings.loss not in (None, "cross_entropy"):
         loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
     plan = attention_plan(inner, settings)
+    fused = bool(settings.loss_options.get("fused", False))
+    if fused:
+        check_fusable(inner)
     # validated: now change the model
     apply_attention(inner, plan, keep_learned=attn is None)
     if reapply and plan is not None and plan[1].learn_alpha:
         load_learned_alpha(inner)
     remove_matched_generate(inner)
+    remove_fused_forward(inner)
+    if fused:
+        install_fused_forward(inner, settings.loss, settings.loss_options)
     if loss_function is not None:
         inner.loss_function = loss_function
         if model_task(inner) == "causal_lm" and hasattr(inner, "generate"):
@@ -242,6 +314,7 @@ def unpatch_model(model):
     inner = base_model(model)
     restore_attention(inner)
     remove_matched_generate(inner)
+    remove_fused_forward(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):

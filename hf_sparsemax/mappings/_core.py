@@ -219,6 +219,26 @@ def threshold_map(
     return out
 
 
+def threshold_support(
+    rows: torch.Tensor,
+    shift: torch.Tensor,
+    tau: torch.Tensor,
+    size: torch.Tensor,
+    scale: float | torch.Tensor = 1.0,
+    power: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The support of ``relu(scale * (x - shift) - tau) ** power`` as ``(index, p)``, both ``[rows, K]``.
+
+    ``K`` is the largest support size (``size`` from :func:`find_threshold`):
+    the ``K`` largest entries of each row hold its support, and the entries
+    among them outside a smaller support get ``p = 0``. The same output step
+    as :func:`threshold_map`, on ``K`` columns instead of the whole row.
+    """
+    k = min(max(1, int(size.max())), rows.shape[-1])
+    values, index = rows.topk(k, dim=-1)
+    return index, threshold_map(values, shift, tau, scale, power)
+
+
 def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> torch.Tensor:
     """Backward shared by sparsemax and entmax: the Jacobian is ``diag(s) - s s^T / sum(s)``.
 

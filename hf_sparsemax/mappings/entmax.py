@@ -38,6 +38,7 @@ from ._core import (
     solve_on_top,
     support_backward,
     threshold_map,
+    threshold_support,
     work_dtype,
 )
 
@@ -136,6 +137,22 @@ def entmax_bisect_rows(
         solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
         top1, tau, _ = solve_on_top(rows, solve, CANDIDATES, masked)
     return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), tau
+
+
+def entmax15_support(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index, p, tau)`` with ``index, p`` of shape ``[rows, K]``: the support of :func:`entmax15_rows` only."""
+    top1, tau, size = find_threshold(rows, masked, 1.5, entmax15_solve, CANDIDATES)
+    return (*threshold_support(rows, top1, tau, size, 0.5, 2), tau)
+
+
+def entmax_bisect_support(
+    rows: torch.Tensor, alpha: float, masked: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index, p, tau)`` with ``index, p`` of shape ``[rows, K]``: the support of :func:`entmax_bisect_rows`
+    for a float ``alpha`` (iterated to convergence)."""
+    solve = functools.partial(bisect_solve, alpha=alpha, n_iter=None)
+    top1, tau, size = find_threshold(rows, masked, alpha, solve, CANDIDATES)
+    return (*threshold_support(rows, top1, tau, size, alpha - 1, 1 / (alpha - 1)), tau)
 
 
 class EntmaxBisectFunction(torch.autograd.Function):

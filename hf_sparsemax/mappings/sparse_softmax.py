@@ -59,11 +59,7 @@ def sparse_softmax_rows(rows: torch.Tensor, top_k: int | None, top_p: float | No
         return out.masked_fill_(dead, 0.0) if bool(dead.any()) else out
     out = torch.zeros_like(rows)
     if k < n or top_p is None:
-        values, index = rows.topk(k, dim=-1)
-        drop = values <= masked
-        if top_p is not None:
-            drop |= nucleus(masked_softmax(values, drop), top_p)
-        return out.scatter_(-1, index, masked_softmax(values, drop))
+        return out.scatter_(-1, *sparse_softmax_support(rows, k, top_p, masked))
     # top_p alone: the nucleus is found among the top c entries, c growing until it fits.
     log_total = rows.logsumexp(-1, keepdim=True)
     todo = torch.arange(rows.shape[0], device=rows.device)
@@ -76,6 +72,20 @@ def sparse_softmax_rows(rows: torch.Tensor, top_k: int | None, top_p: float | No
         out.index_put_((done.unsqueeze(1), index[fits]), masked_softmax(values[fits], drop[fits]))
         todo, c = todo[~fits], min(4 * c, n)
     return out
+
+
+def sparse_softmax_support(
+    rows: torch.Tensor, top_k: int, top_p: float | None, masked: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, p)`` of shape ``[rows, top_k]``: the kept set of :func:`sparse_softmax_rows` when ``top_k`` is given.
+
+    Entries of the top ``top_k`` cut by the ``top_p`` nucleus get ``p = 0``.
+    """
+    values, index = rows.topk(min(top_k, rows.shape[-1]), dim=-1)
+    drop = values <= masked
+    if top_p is not None:
+        drop |= nucleus(masked_softmax(values, drop), top_p)
+    return index, masked_softmax(values, drop)
 
 
 def sparse_softmax(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._core import SupportMapping, check_input, find_threshold, threshold_map
+from ._core import SupportMapping, check_input, find_threshold, threshold_map, threshold_support
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -36,6 +36,12 @@ def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, tor
     """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``."""
     top1, tau, _ = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
     return threshold_map(rows, top1, tau), tau
+
+
+def sparsemax_support(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index, p, tau - max)`` with ``index, p`` of shape ``[rows, K]``: the support of :func:`sparsemax_rows` only."""
+    top1, tau, size = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
+    return (*threshold_support(rows, top1, tau, size), tau)
 
 
 def support_indicator(p: torch.Tensor) -> torch.Tensor:
