@@ -111,6 +111,18 @@ def matched_generate_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def set_instance_method(model, name: str, method, tag: str) -> None:
+    """Shadow ``type(model).name`` by ``method`` on this instance only, marked ``tag`` for removal."""
+    setattr(method, tag, True)
+    setattr(model, name, method)
+
+
+def remove_instance_method(model, name: str, tag: str) -> None:
+    """Undo :func:`set_instance_method` (the class's method shows through again)."""
+    if getattr(vars(model).get(name), tag, False):
+        delattr(model, name)
+
+
 def install_matched_generate(model) -> None:
     """Make ``model.generate`` (an instance attribute, undone by ``remove_matched_generate``) sample matched."""
     original = type(model).generate
@@ -119,13 +131,11 @@ def install_matched_generate(model) -> None:
         return original(model, *args, **matched_generate_kwargs(model, kwargs))
 
     generate.__doc__ = original.__doc__
-    generate.hf_sparsemax_matched = True
-    model.generate = generate
+    set_instance_method(model, "generate", generate, "hf_sparsemax_matched")
 
 
 def remove_matched_generate(model) -> None:
-    if getattr(vars(model).get("generate"), "hf_sparsemax_matched", False):
-        del model.generate
+    remove_instance_method(model, "generate", "hf_sparsemax_matched")
 
 
 def decoding_report(

@@ -24,7 +24,12 @@ from torch import nn
 
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .fused import fused_head_loss
-from .generation import install_matched_generate, remove_matched_generate
+from .generation import (
+    install_matched_generate,
+    remove_instance_method,
+    remove_matched_generate,
+    set_instance_method,
+)
 from .losses import make_loss
 from .settings import CONFIG_KEY, SparseSettings
 
@@ -231,13 +236,11 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
 
     forward.__signature__ = inspect.signature(original.__get__(model))
     forward.__doc__ = original.__doc__
-    forward.hf_sparsemax_fused = True
-    model.forward = forward
+    set_instance_method(model, "forward", forward, "hf_sparsemax_fused")
 
 
 def remove_fused_forward(model) -> None:
-    if getattr(vars(model).get("forward"), "hf_sparsemax_fused", False):
-        del model.forward
+    remove_instance_method(model, "forward", "hf_sparsemax_fused")
 
 
 def patch_model(

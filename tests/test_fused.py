@@ -246,15 +246,7 @@ def test_peft_lora_fused_equals_unfused():
     assert all(relative_error(q.grad, p.grad) <= 1e-5 for _, p, q in trained)
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, ids, labels):
-        self.ids, self.labels = ids, labels
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+from test_patch import Rows  # noqa: E402
 
 
 def loss_curve(fused, tmp_path, tie):
