@@ -32,6 +32,7 @@ from .generation import (
 )
 from .losses import make_loss
 from .settings import CONFIG_KEY, SparseSettings
+from .trl_support import install_token_outputs, remove_token_outputs
 
 TASKS = {  # transformers loss_type -> task of the head
     "ForCausalLM": "causal_lm",
@@ -295,6 +296,7 @@ def patch_model(
     if reapply and plan is not None and plan[1].learn_alpha:
         load_learned_alpha(inner)
     remove_matched_generate(inner)
+    remove_token_outputs(inner)  # sits above the fused forward
     remove_fused_forward(inner)
     if fused:
         install_fused_forward(inner, settings.loss, settings.loss_options)
@@ -302,6 +304,8 @@ def patch_model(
         inner.loss_function = loss_function
         if model_task(inner) == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
+        if model_task(inner) == "causal_lm":
+            install_token_outputs(inner)  # TRL's fused_lm_head=True gets the patched loss
     elif "_loss_function" in vars(inner):
         del inner._loss_function
     if settings.is_default:
@@ -317,6 +321,7 @@ def unpatch_model(model):
     inner = base_model(model)
     restore_attention(inner)
     remove_matched_generate(inner)
+    remove_token_outputs(inner)
     remove_fused_forward(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function

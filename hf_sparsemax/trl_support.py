@@ -1,0 +1,218 @@
+"""TRL's fused-head request, answered by a patched model with its own loss.
+
+TRL's trainers wrap a causal LM's ``forward`` (``trl.trainer.utils.add_fused_lm_head``)
+and call ``model(**batch, labels=labels, fused_lm_head=True)``. TRL's wrapper then
+runs the backbone and computes ``log p_t`` under softmax itself, so a patched
+``model.loss_function`` is never reached; ``SFTTrainer`` optimises
+
+    loss = -sum_t log_probs_t / num_items_in_batch       (log_probs_t = 0 where the label is -100),
+
+and logs the mean of ``entropy_t`` and of ``is_top1_t`` over the counted tokens.
+
+A model patched with a sparse loss answers that request itself, so TRL trains
+the patched loss with no step from the user:
+
+- a forward pre-hook on this instance (``register_forward_pre_hook(with_kwargs=True)``)
+  replaces ``fused_lm_head=True`` by a private keyword, which TRL's wrapper,
+  seeing no ``fused_lm_head``, passes on to the forward it wraps;
+- that forward (an instance attribute installed by ``patch_model`` and
+  removed by ``unpatch_model``, like the fused forward) returns
+  :class:`TokenLossOutput`, TRL's fields computed under the patched loss:
+
+  ``log_probs_t = -loss_t``, the per-token patched loss (for ``sparse_softmax``
+  with the target kept, ``log p_t`` of the sparse distribution), so TRL's loss is
+  ``sum_t loss_t / num_items_in_batch``: exactly ``model(**batch, labels=...).loss``;
+  ``entropy_t = -sum_i p_i log p_i`` of the trained distribution ``p`` (finite:
+  ``0 log 0 = 0``); ``is_top1_t = [argmax_i x_i = t]`` (every mapping here keeps
+  the order of the logits, so its argmax is the logits' argmax).
+
+With ``loss_options={"fused": True}`` (and a plain ``nn.Linear`` head) the
+loss, the entropies and the argmaxes come from one chunked pass of
+:func:`~hf_sparsemax.fused.SparseHeadLossFunction` over the hidden states (no
+``[tokens, vocab]`` logits, no second pass over the head); the per-token values
+are exact, and the gradient reaches the model through their sum (TRL's loss
+weighs every token alike). Otherwise the model's forward gives the logits and
+the losses are taken per token from them.
+
+Nothing in TRL or transformers is rebound: the hook and the forward belong to
+this model instance and are removed by ``unpatch_model``. trl need not be
+installed. Other TRL trainers that send the same request (DPO, KTO, GRPO,
+RLOO) receive the same fields; only ``SFTTrainer`` is checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
+from .generation import remove_instance_method, set_instance_method
+from .losses import loss_mapping, make_loss, safe_target
+from .settings import SparseSettings
+
+REQUEST = "_hf_sparsemax_token_outputs"  # the private keyword the pre-hook puts in place of fused_lm_head=True
+HOOK_ATTR = "_hf_sparsemax_trl_hook"
+TAG = "hf_sparsemax_token_outputs"
+BELOW = "_hf_sparsemax_below"  # on the installed forward: the instance forward it shadows (None: the class's)
+
+
+@dataclasses.dataclass
+class TokenLossOutput(ModelOutput):
+    """TRL's ``FusedCausalLMOutput`` fields under the patched loss; per-token fields are 0 where the label is -100.
+
+    ``loss``: ``sum_t loss_t / num_items_in_batch`` (the counted tokens without it);
+    ``log_probs``: ``-loss_t``; ``entropy``: Shannon entropy of the trained
+    distribution; ``is_top1``: whether the label is the most probable token;
+    ``label_mask``: whether the label is counted; ``aux_loss``: the MoE
+    load-balancing loss when router logits were requested. Shapes are
+    ``[batch, seq_len - 1]`` (``[batch, seq_len]`` with ``shift_labels``).
+    ``log_sum_sq_probs`` and ``mean_logits`` are not computed (None).
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def translate_request(module, args, kwargs):
+    """Forward pre-hook: ``fused_lm_head=True`` -> the private keyword (TRL's wrapper passes it through)."""
+    if not kwargs.get("fused_lm_head"):
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
+    kwargs[REQUEST] = True
+    return args, kwargs
+
+
+def install_token_outputs(model) -> None:
+    """Let ``model`` answer TRL's ``fused_lm_head=True`` with its patched loss (undone by :func:`remove_token_outputs`)."""
+    below = vars(model).get("forward")
+    call_below = below if below is not None else type(model).forward.__get__(model)
+
+    def forward(*args, **kwargs):
+        if kwargs.pop(REQUEST, False):
+            return token_outputs(model, call_below, args, kwargs)
+        return call_below(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(type(model).forward.__get__(model))
+    forward.__doc__ = type(model).forward.__doc__
+    setattr(forward, BELOW, below)
+    set_instance_method(model, "forward", forward, TAG)
+    setattr(model, HOOK_ATTR, model.register_forward_pre_hook(translate_request, with_kwargs=True))
+
+
+def remove_token_outputs(model) -> None:
+    handle = vars(model).pop(HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+    current = vars(model).get("forward")
+    if getattr(current, TAG, False):
+        below = getattr(current, BELOW)
+        remove_instance_method(model, "forward", TAG)
+        if below is not None:
+            model.forward = below
+
+
+def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
+    """The patched loss per token, its distribution's entropy and top-1 hits, for TRL's fused-head request."""
+    settings = SparseSettings.from_config(model.config)
+    if settings is None or settings.loss in (None, "cross_entropy"):
+        raise ValueError("fused_lm_head=True reached hf_sparsemax on a model without a sparse loss; "
+                         "re-run hf_sparsemax.patch_model(model, loss=...)")
+    labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    if labels is None and shift_labels is None:
+        raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+    target = shift_labels if shift_labels is not None else labels[..., 1:]
+    kwargs["use_cache"] = False
+    options = {k: v for k, v in settings.loss_options.items() if k != "fused"}
+    head = model.get_output_embeddings()
+    aux_loss = None
+    if settings.loss_options.get("fused") and type(head) is nn.Linear and not kwargs.get("output_router_logits"):
+        hidden = backbone_hidden(model, args, kwargs)
+        hidden = hidden if shift_labels is not None else hidden[:, :-1]
+        target = target.to(hidden.device)
+        mask = target != -100
+        items, entropy, top1, total = fused_token_stats(
+            hidden, head, target, settings.loss, options, getattr(model.config, "final_logit_softcapping", None))
+        count = mask.sum().clamp_min(1)
+        # value -items per token; gradient of the summed loss, spread evenly (TRL sums the tokens)
+        log_probs = -(scatter(items, mask) + (total - total.detach()) * mask / count)
+    else:
+        outputs = forward(*args, **kwargs)
+        logits = outputs.logits if shift_labels is not None else outputs.logits[:, :-1]
+        target = target.to(logits.device)
+        mask = target != -100
+        log_probs = -make_loss(settings.loss, **options)(logits, target, reduction="none")
+        entropy, top1 = dense_token_stats(logits[mask], target[mask], loss_mapping(settings.loss, **options))
+        aux_loss = getattr(outputs, "aux_loss", None)
+    denominator = mask.sum().clamp_min(1) if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(denominator):
+        denominator = denominator.to(log_probs.device)
+    loss = -log_probs.sum() / denominator
+    if aux_loss is not None:
+        loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux_loss
+    return TokenLossOutput(loss=loss, log_probs=log_probs, entropy=scatter(entropy, mask),
+                           is_top1=scatter(top1, mask), label_mask=mask, aux_loss=aux_loss)
+
+
+def backbone_hidden(model, args, kwargs) -> torch.Tensor:
+    """The last hidden states of ``model``'s base model, from the arguments of ``model.forward``."""
+    arguments = inspect.signature(type(model).forward).bind(model, *args, **kwargs).arguments
+    inputs = {k: v for k, v in arguments.items() if k not in ("self", "labels", "logits_to_keep", "kwargs")}
+    return getattr(model, model.base_model_prefix)(**inputs, **arguments.get("kwargs", {}))[0]
+
+
+def fused_token_stats(hidden, head, target, loss, options, softcap):
+    """Per counted token ``(loss_t, entropy_t, is_top1_t)`` and the summed loss, from one chunked head pass.
+
+    The loss's support routine is wrapped to record, for each chunk, the
+    per-token losses, ``-sum p log p`` over the support and whether the
+    label's logit is the largest; :class:`SparseHeadLossFunction` does the rest
+    (sparse backward).
+    """
+    flat = target.reshape(-1)
+    kept = (flat != -100).nonzero().squeeze(1)
+    safe_target(flat.index_select(0, kept), head.weight.shape[0], -100)  # raises on out-of-range labels
+    support = support_function(loss, options)
+    records = []
+
+    def recording_support(rows, t, masked):
+        index, p, items = support(rows, t, masked)
+        records.append((items.float(), entropy_of(p), rows.argmax(-1) == t))
+        return index, p, items
+
+    tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
+    total = SparseHeadLossFunction.apply(tokens, head.weight, head.bias, flat.index_select(0, kept),
+                                         recording_support, None if softcap is None else float(softcap), CHUNK_TOKENS)
+    if not records:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty, empty.bool(), total
+    items, entropy, top1 = (torch.cat(column) for column in zip(*records))
+    return items, entropy, top1, total
+
+
+@torch.no_grad()
+def dense_token_stats(logits, target, mapping):
+    """``(entropy_t, is_top1_t)`` of ``mapping(logits)`` for ``[N, V]`` logits, ``CHUNK_TOKENS`` rows at a time."""
+    entropy = [entropy_of(mapping(logits[s : s + CHUNK_TOKENS].float())) for s in range(0, len(logits), CHUNK_TOKENS)]
+    entropy = torch.cat(entropy) if entropy else logits.new_zeros(0, dtype=torch.float32)
+    return entropy, logits.argmax(-1) == target
+
+
+def entropy_of(p: torch.Tensor) -> torch.Tensor:
+    """``-sum_i p_i log p_i`` over the last dim, with ``0 log 0 = 0``."""
+    return -torch.special.xlogy(p, p).sum(-1).float()
+
+
+def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per counted token ``values`` laid out as ``mask`` (0 / False elsewhere)."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)

@@ -1,0 +1,201 @@
+"""trl.SFTTrainer on a patched model trains the patched loss (and logs its distribution's metrics)."""
+
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import hf_sparsemax as hs
+
+trl = pytest.importorskip("trl")
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+from trl.trainer.callbacks import _generate_completions  # noqa: E402  (what TRL's completion logging calls)
+
+LOSSES = [
+    ("sparse_softmax", {"top_k": 5}),
+    ("sparse_softmax", {"top_p": 0.8}),
+    ("sparsemax", {}),
+    ("entmax15", {}),
+    ("entmax_bisect", {"alpha": 1.3}),
+]
+PROMPTS = ["hello ", "sparse ", "a b ", "zebra ", "quiet ", "x "]
+COMPLETIONS = ["world", "models rule", "c d e f g", "stripes", "please", "marks the spot"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def tokenizer():
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<s>", *"abcdefghijklmnopqrstuvwxyz "])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_lm(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def prompt_completion(n=6):
+    return Dataset.from_dict({"prompt": PROMPTS[:n], "completion": COMPLETIONS[:n]})
+
+
+def trainer(model, tmp_path, data=None, per_device=2, accumulation=1, peft_config=None, **config):
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+        gradient_checkpointing=False, bf16=False, **config,  # SFTConfig defaults to bf16 autocast, even on CPU
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SFTTrainer(model=model, args=args, train_dataset=data if data is not None else prompt_completion(),
+                          processing_class=tokenizer(), peft_config=peft_config)
+
+
+def first_batch(sft, size=4):
+    return sft.data_collator([sft.train_dataset[i] for i in range(size)])
+
+
+def own_loss(model, batch, **kwargs):
+    """The patched model's own loss on the batch (its loss_function, or its fused forward in train mode)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, labels=batch["labels"], **kwargs).loss
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name,options", LOSSES)
+def test_sft_optimises_the_patched_loss_and_logs_its_distribution(name, options, fused, tmp_path):
+    model = hs.patch_model(tiny_lm(), loss=name, loss_options={**options, "fused": fused})
+    sft = trainer(model, tmp_path)
+    batch = first_batch(sft)
+    labels = batch["labels"]
+    assert (labels[:, :4] == -100).all()  # completion_only_loss: the prompt is not trained
+    model.train()
+    trl_loss = sft.compute_loss(model, dict(batch))
+    assert torch.allclose(trl_loss, own_loss(model, batch), rtol=1e-5, atol=1e-6)
+    n = torch.tensor(23)
+    assert torch.allclose(sft.compute_loss(model, dict(batch), num_items_in_batch=n),
+                          own_loss(model, batch, num_items_in_batch=n), rtol=1e-5, atol=1e-6)
+    # the gradient TRL back-propagates is the patched loss's gradient
+    model.zero_grad()
+    sft.compute_loss(model, dict(batch)).backward()
+    via_trl = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    own_loss(model, batch).backward()
+    for a, b in zip(via_trl, (p.grad for p in model.parameters())):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    # entropy and accuracy under the trained distribution, from the same forward
+    with torch.no_grad():
+        logits = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    target = labels[:, 1:]
+    kept = target != -100
+    p = hs.losses.loss_mapping(name, **options)(logits[kept])
+    entropy = -torch.special.xlogy(p, p).sum(-1).mean()
+    accuracy = (logits[kept].argmax(-1) == target[kept]).float().mean()
+    logged = sft._metrics["train"]
+    assert abs(logged["entropy"][-1] - entropy.item()) < 1e-5
+    assert abs(logged["mean_token_accuracy"][-1] - accuracy.item()) < 1e-6
+    dense = torch.log_softmax(logits[kept], -1)
+    if name != "sparse_softmax" or "top_k" in options:  # top_p=0.8 over a random 30-token model may keep them all
+        assert entropy < -(dense.exp() * dense).sum(-1).mean()
+
+
+def test_prompt_tokens_are_ignored_with_assistant_only_loss(tmp_path):
+    data = Dataset.from_dict({"messages": [
+        [{"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in zip(PROMPTS, COMPLETIONS)
+    ]})
+    model = hs.patch_model(tiny_lm(), loss="entmax15")
+    sft = trainer(model, tmp_path, data=data, assistant_only_loss=True)
+    batch = first_batch(sft)
+    assert (batch["labels"][:, :4] == -100).all() and (batch["labels"] != -100).any()
+    model.train()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), own_loss(model, batch), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_packing(fused, tmp_path):
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 4, "fused": fused})
+    sft = trainer(model, tmp_path, packing=True, max_length=24, completion_only_loss=False)
+    batch = first_batch(sft, size=2)
+    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() >= 2  # padding-free: one row
+    model.train()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), own_loss(model, batch), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradient_accumulation_is_exact(fused, tmp_path):
+    """One SGD step with 2 x 2 accumulated == 4 x 1 == the step down the patched loss's own gradient."""
+    def step(per_device, accumulation):
+        model = hs.patch_model(tiny_lm(), loss="sparsemax", loss_options={"fused": fused})
+        sft = trainer(model, tmp_path, prompt_completion(4), per_device, accumulation, max_grad_norm=0.0)
+        sft.train()
+        return flat(model), sft
+
+    whole, sft = step(4, 1)
+    halves, _ = step(2, 2)
+    assert torch.allclose(whole, halves, atol=1e-6)
+    model = hs.patch_model(tiny_lm(), loss="sparsemax", loss_options={"fused": fused}).train()
+    own_loss(model, sft.data_collator([sft.train_dataset[i] for i in range(4)])).backward()
+    expected = torch.cat([(p - 0.5 * p.grad).detach().reshape(-1) for p in model.parameters()])
+    assert torch.allclose(whole, expected, atol=1e-6)
+
+
+def test_lora_fused_trains_and_evaluates_the_patched_loss(tmp_path):  # (TRL refuses a LoRA on lm_head)
+    peft = pytest.importorskip("peft")
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 4, "fused": True})
+    sft = trainer(model, tmp_path, peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                 init_lora_weights=False))
+    sft.eval_dataset = sft.train_dataset
+    batch = first_batch(sft)
+    sft.model.train()
+    assert torch.allclose(sft.compute_loss(sft.model, dict(batch)), own_loss(sft.model, batch), rtol=1e-5, atol=1e-6)
+    before = {n: p.detach().clone() for n, p in sft.model.named_parameters() if p.requires_grad}
+    sft.train()
+    assert all(not torch.equal(before[n], p) for n, p in sft.model.named_parameters() if p.requires_grad)
+    metrics = sft.evaluate()
+    assert torch.isfinite(torch.tensor([metrics["eval_loss"], metrics["eval_entropy"]])).all()
+    history = [row for row in sft.state.log_history if "loss" in row]
+    assert history and 0 <= history[-1]["mean_token_accuracy"] <= 1
+
+
+def test_unpatch_gives_trl_back_its_own_loss(tmp_path):
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 3})
+    hs.unpatch_model(model)
+    assert not model._forward_pre_hooks and "forward" not in vars(model)
+    sft = trainer(model, tmp_path)
+    batch = first_batch(sft)
+    model.train()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), own_loss(model, batch), rtol=1e-5, atol=1e-6)
+
+
+def test_trl_generation_samples_the_trained_distribution(tmp_path):
+    """TRL's completion sampling goes through the patched generate: top_k=1 sparse softmax samples greedily."""
+    model = hs.patch_model(tiny_lm(seed=1), loss="sparse_softmax", loss_options={"top_k": 1})
+    sft = trainer(model, tmp_path)
+    config = GenerationConfig(do_sample=True, max_new_tokens=12, temperature=0.7, pad_token_id=0, eos_token_id=-1)
+    tok = sft.processing_class
+    torch.manual_seed(0)
+    sampled = _generate_completions(PROMPTS, sft.model, tok, sft.accelerator, config, batch_size=1)
+    greedy = _generate_completions(PROMPTS, sft.model, tok, sft.accelerator,
+                                   GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0,
+                                                    eos_token_id=-1), batch_size=1)
+    assert sampled == greedy
+    hs.unpatch_model(model)
+    torch.manual_seed(0)
+    assert _generate_completions(PROMPTS, sft.model, tok, sft.accelerator, config, batch_size=1) != greedy
