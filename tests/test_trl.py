@@ -50,17 +50,19 @@ def prompt_completion(n=6):
     return Dataset.from_dict({"prompt": PROMPTS[:n], "completion": COMPLETIONS[:n]})
 
 
-def trainer(model, tmp_path, data=None, per_device=2, accumulation=1, peft_config=None, **config):
+def trainer(model, tmp_path, data=None, per_device=2, accumulation=1, peft_config=None, compute_loss_func=None,
+            **config):
+    config = {"gradient_checkpointing": False, "bf16": False, **config}  # SFTConfig defaults both to True (CPU too)
     args = SFTConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
-        gradient_checkpointing=False, bf16=False, **config,  # SFTConfig defaults to bf16 autocast, even on CPU
+        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True, **config,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return SFTTrainer(model=model, args=args, train_dataset=data if data is not None else prompt_completion(),
-                          processing_class=tokenizer(), peft_config=peft_config)
+                          processing_class=tokenizer(), peft_config=peft_config,
+                          compute_loss_func=compute_loss_func)
 
 
 def first_batch(sft, size=4):
@@ -75,6 +77,22 @@ def own_loss(model, batch, **kwargs):
 
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def check_logged_metrics(sft, model, batch, name, options):
+    """TRL's last logged entropy and accuracy are those of the trained distribution; returns (it, softmax's)."""
+    with torch.no_grad():
+        logits = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    target = batch["labels"][:, 1:]
+    kept = target != -100
+    p = hs.losses.loss_mapping(name, **options)(logits[kept])
+    entropy = -torch.special.xlogy(p, p).sum(-1).mean().item()
+    accuracy = (logits[kept].argmax(-1) == target[kept]).float().mean().item()
+    logged = sft._metrics["train"]
+    assert abs(logged["entropy"][-1] - entropy) < 1e-5
+    assert abs(logged["mean_token_accuracy"][-1] - accuracy) < 1e-6
+    dense = torch.log_softmax(logits[kept], -1)
+    return entropy, -(dense.exp() * dense).sum(-1).mean().item()
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -100,20 +118,9 @@ def test_sft_optimises_the_patched_loss_and_logs_its_distribution(name, options,
     for a, b in zip(via_trl, (p.grad for p in model.parameters())):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
-    # entropy and accuracy under the trained distribution, from the same forward
-    with torch.no_grad():
-        logits = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    target = labels[:, 1:]
-    kept = target != -100
-    p = hs.losses.loss_mapping(name, **options)(logits[kept])
-    entropy = -torch.special.xlogy(p, p).sum(-1).mean()
-    accuracy = (logits[kept].argmax(-1) == target[kept]).float().mean()
-    logged = sft._metrics["train"]
-    assert abs(logged["entropy"][-1] - entropy.item()) < 1e-5
-    assert abs(logged["mean_token_accuracy"][-1] - accuracy.item()) < 1e-6
-    dense = torch.log_softmax(logits[kept], -1)
+    entropy, dense_entropy = check_logged_metrics(sft, model, batch, name, options)
     if name != "sparse_softmax" or "top_k" in options:  # top_p=0.8 over a random 30-token model may keep them all
-        assert entropy < -(dense.exp() * dense).sum(-1).mean()
+        assert entropy < dense_entropy
 
 
 def test_prompt_tokens_are_ignored_with_assistant_only_loss(tmp_path):
@@ -159,8 +166,8 @@ def test_gradient_accumulation_is_exact(fused, tmp_path):
 def test_lora_fused_trains_and_evaluates_the_patched_loss(tmp_path):  # (TRL refuses a LoRA on lm_head)
     peft = pytest.importorskip("peft")
     model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 4, "fused": True})
-    sft = trainer(model, tmp_path, peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                                 init_lora_weights=False))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    sft = trainer(model, tmp_path, peft_config=lora, gradient_checkpointing=True, bf16=True)  # TRL's defaults
     sft.eval_dataset = sft.train_dataset
     batch = first_batch(sft)
     sft.model.train()
@@ -172,6 +179,26 @@ def test_lora_fused_trains_and_evaluates_the_patched_loss(tmp_path):  # (TRL ref
     assert torch.isfinite(torch.tensor([metrics["eval_loss"], metrics["eval_entropy"]])).all()
     history = [row for row in sft.state.log_history if "loss" in row]
     assert history and 0 <= history[-1]["mean_token_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_patching_after_the_trainer_was_built(fused, tmp_path):
+    model = tiny_lm()
+    sft = trainer(model, tmp_path)
+    hs.patch_model(model, loss="entmax_bisect", loss_options={"alpha": 1.7, "fused": fused})
+    batch = first_batch(sft)
+    model.train()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), own_loss(model, batch), rtol=1e-5, atol=1e-6)
+
+
+def test_compute_loss_func_route(tmp_path):
+    """The documented alternative: TRL calls compute_loss_func, and its metrics pass still sees the patched model."""
+    model = hs.patch_model(tiny_lm(), loss="sparsemax")
+    sft = trainer(model, tmp_path, compute_loss_func=hs.compute_loss_func("sparsemax"))
+    batch = first_batch(sft)
+    model.train()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), own_loss(model, batch), rtol=1e-5, atol=1e-6)
+    check_logged_metrics(sft, model, batch, "sparsemax", {})
 
 
 def test_unpatch_gives_trl_back_its_own_loss(tmp_path):
