@@ -268,7 +268,8 @@ def patch_model(
     saved in ``model.config`` are re-applied. Settings are stored in
     ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
-    loss trains (see :mod:`hf_sparsemax.generation`).
+    loss trains (see :mod:`hf_sparsemax.generation`), and ``trl.SFTTrainer``
+    trains the patched loss (see :mod:`hf_sparsemax.trl_support`).
     """
     inner = base_model(model)
     reapply = attn is None and loss is None and not attn_options and not loss_options

@@ -5,14 +5,13 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.callbacks import _generate_completions  # what TRL's completion logging calls
 
 import hf_sparsemax as hs
-
-trl = pytest.importorskip("trl")
-from trl import SFTConfig, SFTTrainer  # noqa: E402
-from trl.trainer.callbacks import _generate_completions  # noqa: E402  (what TRL's completion logging calls)
 
 LOSSES = [
     ("sparse_softmax", {"top_k": 5}),
@@ -164,9 +163,8 @@ def test_gradient_accumulation_is_exact(fused, tmp_path):
 
 
 def test_lora_fused_trains_and_evaluates_the_patched_loss(tmp_path):  # (TRL refuses a LoRA on lm_head)
-    peft = pytest.importorskip("peft")
     model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 4, "fused": True})
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     sft = trainer(model, tmp_path, peft_config=lora, gradient_checkpointing=True, bf16=True)  # TRL's defaults
     sft.eval_dataset = sft.train_dataset
     batch = first_batch(sft)
