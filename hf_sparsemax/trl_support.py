@@ -31,8 +31,9 @@ loss, the entropies and the argmaxes come from one chunked pass of
 :func:`~hf_sparsemax.fused.SparseHeadLossFunction` over the hidden states (no
 ``[tokens, vocab]`` logits, no second pass over the head); the per-token values
 are exact, and the gradient reaches the model through their sum (TRL's loss
-weighs every token alike). Otherwise the model's forward gives the logits and
-the losses are taken per token from them.
+weighs every token alike). Otherwise the model's forward gives the logits, the
+losses are taken per token from them, and the entropies from the same
+support routines (no full mapping over the vocabulary).
 
 Nothing in TRL or transformers is rebound: the hook and the forward belong to
 this model instance and are removed by ``unpatch_model``. trl need not be
@@ -51,7 +52,8 @@ from transformers.utils import ModelOutput
 
 from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
 from .generation import remove_instance_method, set_instance_method
-from .losses import loss_mapping, make_loss, safe_target
+from .losses import make_loss, safe_target
+from .mappings._core import masked_below, work_dtype
 from .settings import SparseSettings
 
 REQUEST = "_hf_sparsemax_token_outputs"  # the private keyword the pre-hook puts in place of fused_lm_head=True
@@ -152,7 +154,7 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
         target = target.to(logits.device)
         mask = target != -100
         log_probs = -make_loss(settings.loss, **options)(logits, target, reduction="none")
-        entropy, top1 = dense_token_stats(logits[mask], target[mask], loss_mapping(settings.loss, **options))
+        entropy, top1 = dense_token_stats(logits[mask], target[mask], support_function(settings.loss, options))
         aux_loss = getattr(outputs, "aux_loss", None)
     denominator = mask.sum().clamp_min(1) if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denominator):
@@ -187,7 +189,7 @@ def fused_token_stats(hidden, head, target, loss, options, softcap):
 
     def recording_support(rows, t, masked):
         index, p, items = support(rows, t, masked)
-        records.append((items.float(), entropy_of(p), rows.argmax(-1) == t))
+        records.append((items.float(), *token_stats(rows, t, p)))
         return index, p, items
 
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
@@ -201,16 +203,20 @@ def fused_token_stats(hidden, head, target, loss, options, softcap):
 
 
 @torch.no_grad()
-def dense_token_stats(logits, target, mapping):
-    """``(entropy_t, is_top1_t)`` of ``mapping(logits)`` for ``[N, V]`` logits, ``CHUNK_TOKENS`` rows at a time."""
-    entropy = [entropy_of(mapping(logits[s : s + CHUNK_TOKENS].float())) for s in range(0, len(logits), CHUNK_TOKENS)]
-    entropy = torch.cat(entropy) if entropy else logits.new_zeros(0, dtype=torch.float32)
-    return entropy, logits.argmax(-1) == target
+def dense_token_stats(logits, target, support):
+    """``(entropy_t, is_top1_t)`` for ``[N, V]`` logits, from the loss's support routine, ``CHUNK_TOKENS`` at a time."""
+    dtype, masked = work_dtype(logits.dtype), masked_below(logits.dtype)
+    stats = [token_stats(rows.to(dtype), t, support(rows.to(dtype), t, masked)[1])
+             for rows, t in zip(logits.split(CHUNK_TOKENS), target.split(CHUNK_TOKENS))]
+    if not stats:
+        return logits.new_zeros(0, dtype=torch.float32), target.new_zeros(0, dtype=torch.bool)
+    entropy, top1 = zip(*stats)
+    return torch.cat(entropy), torch.cat(top1)
 
 
-def entropy_of(p: torch.Tensor) -> torch.Tensor:
-    """``-sum_i p_i log p_i`` over the last dim, with ``0 log 0 = 0``."""
-    return -torch.special.xlogy(p, p).sum(-1).float()
+def token_stats(rows: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-sum_i p_i log p_i, [argmax_i rows_i = t])`` per row; ``p`` is dense or over the support only."""
+    return -torch.special.xlogy(p, p).sum(-1).float(), rows.argmax(-1) == t
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
