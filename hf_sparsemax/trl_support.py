@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
 from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
-from .generation import remove_instance_method, set_instance_method
+from .generation import remove_instance_method
 from .losses import make_loss, safe_target
 from .mappings._core import masked_below, work_dtype
 from .settings import SparseSettings
@@ -95,19 +96,25 @@ def translate_request(module, args, kwargs):
 
 
 def install_token_outputs(model) -> None:
-    """Let ``model`` answer TRL's ``fused_lm_head=True`` with its patched loss (undone by :func:`remove_token_outputs`)."""
-    below = vars(model).get("forward")
-    call_below = below if below is not None else type(model).forward.__get__(model)
+    """Let ``model`` answer TRL's ``fused_lm_head=True`` with its patched loss (undone by :func:`remove_token_outputs`).
 
-    def forward(*args, **kwargs):
+    The forward is bound to the model (``copy.deepcopy`` rebinds it to the copy)
+    and keeps the instance forward it shadows (the fused one, or TRL's wrapper
+    when patching after the trainer was built) to call on plain requests.
+    """
+    below = vars(model).get("forward")
+
+    def forward(self, *args, **kwargs):
+        call_below = below if below is not None else type(self).forward.__get__(self)
         if kwargs.pop(REQUEST, False):
-            return token_outputs(model, call_below, args, kwargs)
+            return token_outputs(self, call_below, args, kwargs)
         return call_below(*args, **kwargs)
 
-    forward.__signature__ = inspect.signature(type(model).forward.__get__(model))
+    forward.__signature__ = inspect.signature(type(model).forward)
     forward.__doc__ = type(model).forward.__doc__
+    setattr(forward, TAG, True)
     setattr(forward, BELOW, below)
-    set_instance_method(model, "forward", forward, TAG)
+    model.forward = types.MethodType(forward, model)
     setattr(model, HOOK_ATTR, model.register_forward_pre_hook(translate_request, with_kwargs=True))
 
 

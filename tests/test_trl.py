@@ -1,5 +1,6 @@
 """trl.SFTTrainer on a patched model trains the patched loss (and logs its distribution's metrics)."""
 
+import copy
 import warnings
 
 import pytest
@@ -224,3 +225,17 @@ def test_trl_generation_samples_the_trained_distribution(tmp_path):
     hs.unpatch_model(model)
     torch.manual_seed(0)
     assert _generate_completions(PROMPTS, sft.model, tok, sft.accelerator, config, batch_size=1) != greedy
+
+
+def test_a_deep_copy_answers_with_its_own_weights():
+    """TRL copies models (reference models): the copy's request runs the copy, and unpatching it leaves the original."""
+    model = hs.patch_model(tiny_lm(), loss="sparsemax")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    ids = torch.randint(3, 30, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(twin(input_ids=ids, labels=ids, fused_lm_head=True).loss, twin(input_ids=ids, labels=ids).loss)
+    hs.unpatch_model(twin)
+    assert model._forward_pre_hooks and not twin._forward_pre_hooks
+    assert torch.allclose(model(input_ids=ids, labels=ids, fused_lm_head=True).loss, model(input_ids=ids, labels=ids).loss)
