@@ -40,11 +40,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .losses import LOSS_FUNCTIONS, fenchel_young_items, make_loss
+from .losses import fenchel_young_items, make_loss
+from .mappings import registry
 from .mappings._core import masked_below, work_dtype
-from .mappings.entmax import check_alpha, entmax15_support, entmax_bisect_support, precise_in_float32
-from .mappings.sparse_softmax import check_top, sparse_softmax_rows, sparse_softmax_support
-from .mappings.sparsemax import sparsemax_support
+from .mappings.entmax import precise_in_float32
 
 CHUNK_TOKENS = 1024  # tokens per chunk of logits: [1024, 49152] float32 is 192 MiB
 DENSE_FRACTION = 32  # a chunk whose largest support exceeds V / DENSE_FRACTION gets a dense gradient
@@ -62,39 +61,31 @@ def sparse_softmax_items(p: torch.Tensor, index: torch.Tensor | None, rows: torc
 
 
 def support_function(name: str, options: dict) -> SupportFn:
-    """The per-chunk ``support_fn`` of a loss, from the mappings' support routines."""
-    if name == "sparse_softmax":
-        top_k, top_p = check_top(options.get("top_k"), options.get("top_p"))
+    """The per-chunk ``support_fn`` of a loss, from its registry entry's support routine and loss rule."""
+    entry, opts, _ = registry.loss_options(name, options)
+    if not entry.fused:
+        raise entry.refuse("fused")
+    if entry.loss_rule == "kept_logsumexp":  # sparse softmax: log-partition over the kept set
 
-        def sparse_softmax_fn(rows, t, masked):
-            if top_k is not None and top_k < rows.shape[-1]:
-                index, p = sparse_softmax_support(rows, top_k, top_p, masked)
+        def kept_fn(rows, t, masked):
+            if opts.top_k is not None and opts.top_k < rows.shape[-1]:
+                index, p = entry.support(rows, masked, opts)
             else:  # top_p alone or plain softmax: the kept set has no size bound
-                index, p = None, sparse_softmax_rows(rows, None, top_p, masked)
+                index, p = None, entry.rows(rows, masked, opts)
             return index, p, sparse_softmax_items(p, index, rows, t)
 
-        return sparse_softmax_fn
-    if name in ("sparsemax", "entmax15"):
-        support, alpha = (sparsemax_support, 2.0) if name == "sparsemax" else (entmax15_support, 1.5)
+        return kept_fn
+    alpha = entry.fenchel_young_alpha(opts)
+    if isinstance(alpha, torch.Tensor):
+        raise ValueError("the fused head loss takes a float alpha, not a tensor (a learned alpha needs the "
+                         f"unfused {name}_loss)")
 
-        def threshold_fn(rows, t, masked):
-            index, p, tau = support(rows, masked)
-            return index, p, fenchel_young_items(p, tau, alpha, rows, t)
+    def threshold_fn(rows, t, masked):  # Fenchel-Young: threshold, support and loss from one solve
+        work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
+        index, p, tau = entry.support(work, masked, opts)
+        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
 
-        return threshold_fn
-    if name == "entmax_bisect":
-        alpha = check_alpha(options.get("alpha", 1.5))
-        if isinstance(alpha, torch.Tensor):
-            raise ValueError("the fused head loss takes a float alpha, not a tensor (a learned alpha needs the "
-                             "unfused entmax_bisect_loss)")
-
-        def bisect_fn(rows, t, masked):
-            work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
-            index, p, tau = entmax_bisect_support(work, alpha, masked)
-            return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
-
-        return bisect_fn
-    raise ValueError(f"unknown loss {name!r}: choose one of {list(LOSS_FUNCTIONS)}")
+    return threshold_fn
 
 
 def compact(p: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -20,15 +20,26 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .losses import loss_mapping
+from .mappings import registry
 from .settings import SparseSettings
 
 
-class _MappingLogitsProcessor(LogitsProcessor):
+class MappingLogitsProcessor(LogitsProcessor):
+    """Log-probabilities of the distribution a registered loss trains, ``mapping(scores / T)``.
+
+    ``MappingLogitsProcessor("taylor_softmax", order=4)``; any name of
+    ``hf_sparsemax.mappings.registry.names("processor")``.
+    """
+
     loss_name = ""
 
-    def __init__(self, temperature: float = 1.0, **options):
+    def __init__(self, loss: str | None = None, temperature: float = 1.0, **options):
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
             raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        self.loss_name = loss or self.loss_name
+        entry = registry.get(self.loss_name)
+        if not entry.processor:
+            raise entry.refuse("processor")
         self.temperature = float(temperature)
         self.options = options
         self.mapping = loss_mapping(self.loss_name, **options)  # validates the options
@@ -41,7 +52,11 @@ class _MappingLogitsProcessor(LogitsProcessor):
 
     def __repr__(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options.items())
-        return f"{type(self).__name__}(temperature={self.temperature}{options})"
+        name = "" if type(self) in NAMED_PROCESSORS.values() else f"{self.loss_name!r}, "
+        return f"{type(self).__name__}({name}temperature={self.temperature}{options})"
+
+
+_MappingLogitsProcessor = MappingLogitsProcessor  # the former private name
 
 
 class SparseSoftmaxLogitsProcessor(_MappingLogitsProcessor):
@@ -50,13 +65,16 @@ class SparseSoftmaxLogitsProcessor(_MappingLogitsProcessor):
     loss_name = "sparse_softmax"
 
     def __init__(self, top_k: int | None = None, top_p: float | None = None, temperature: float = 1.0):
-        super().__init__(temperature, top_k=top_k, top_p=top_p)
+        super().__init__(None, temperature, top_k=top_k, top_p=top_p)
 
 
 class SparsemaxLogitsProcessor(_MappingLogitsProcessor):
     """Log-probabilities of ``sparsemax(scores / T)``, with its full support."""
 
     loss_name = "sparsemax"
+
+    def __init__(self, temperature: float = 1.0):
+        super().__init__(None, temperature)
 
 
 class EntmaxLogitsProcessor(_MappingLogitsProcessor):
@@ -65,20 +83,28 @@ class EntmaxLogitsProcessor(_MappingLogitsProcessor):
     loss_name = "entmax_bisect"
 
     def __init__(self, alpha: float = 1.5, temperature: float = 1.0):
-        super().__init__(temperature, alpha=alpha)
+        super().__init__(None, temperature, alpha=alpha)
         if alpha == 1.5:
             self.mapping = loss_mapping("entmax15")
+
+
+NAMED_PROCESSORS = {  # the loss names with a processor class of their own (same distribution as the generic one)
+    "sparse_softmax": SparseSoftmaxLogitsProcessor,
+    "sparsemax": SparsemaxLogitsProcessor,
+    "entmax_bisect": EntmaxLogitsProcessor,
+}
 
 
 def processor_for(loss: str | None, options: dict[str, Any], temperature: float = 1.0) -> LogitsProcessor | None:
     """The processor sampling from what ``loss`` trains (None for cross-entropy)."""
     if loss in (None, "cross_entropy"):
         return None
-    if loss == "sparse_softmax":
-        return SparseSoftmaxLogitsProcessor(options.get("top_k"), options.get("top_p"), temperature)
-    if loss == "sparsemax":
-        return SparsemaxLogitsProcessor(temperature)
-    return EntmaxLogitsProcessor(options.get("alpha", 1.5) if loss == "entmax_bisect" else 1.5, temperature)
+    options = {k: v for k, v in options.items() if k != "fused"}
+    if loss == "entmax15":
+        return EntmaxLogitsProcessor(1.5, temperature)
+    if loss in NAMED_PROCESSORS:
+        return NAMED_PROCESSORS[loss](temperature=temperature, **options)
+    return MappingLogitsProcessor(loss, temperature, **options)
 
 
 def logits_processors(model, temperature: float = 1.0) -> LogitsProcessorList:

@@ -31,6 +31,8 @@ from .generation import (
     set_instance_method,
 )
 from .losses import make_loss
+from .margin import install_cosine_head, remove_cosine_head
+from .mappings import registry
 from .settings import CONFIG_KEY, SparseSettings
 
 TASKS = {  # transformers loss_type -> task of the head
@@ -75,6 +77,42 @@ def routes_loss_function(model) -> bool:
     """Whether the model's forward calls ``self.loss_function`` (else it hard-codes its loss)."""
     forward = inspect.unwrap(type(model).forward)
     return "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
+
+
+def head_classes(model) -> int | None:
+    """Number of classes the head scores: the vocabulary of an LM head, else ``num_labels``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear):
+        return head.out_features
+    return getattr(model.config, "num_labels", None)
+
+
+def swaps_loss(model, loss: str | None) -> bool:
+    """Whether ``patch_model(model, loss=loss)`` can swap the loss (else use :func:`compute_loss_func`)."""
+    if loss in (None, "cross_entropy"):
+        return True
+    if registry.get(loss).head == "cosine":
+        return True  # the cosine head swap also takes over the loss of heads that hard-code it
+    return routes_loss_function(base_model(model))
+
+
+def loss_plan(inner, settings: SparseSettings):
+    """Validate the loss swap (nothing changes): ``(task, loss_function, head)`` or ``None`` for the model's own.
+
+    ``head`` is ``"cosine"`` for a loss that needs a cosine classification head.
+    """
+    if settings.loss in (None, "cross_entropy"):
+        return None
+    entry = registry.get(settings.loss)
+    if entry.head == "cosine":
+        from .margin import head_linears
+
+        head_linears(inner)  # refuses families whose head is not known
+        task = "sequence_classification"
+    else:
+        task = model_task(inner)
+    registry.check_head(entry, task, head_classes(inner))
+    return task, task_loss(task, make_loss(settings.loss, **settings.loss_options)), entry.head
 
 
 def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[..., torch.Tensor]:
@@ -260,7 +298,10 @@ def patch_model(
     chunk, recomputed in backward: bounded memory on long sequences).
     ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
-    ``"entmax_bisect"`` (``alpha``); every sparse loss also takes ``fused``:
+    ``"entmax_bisect"`` (``alpha``), ``"taylor_softmax"`` (``order``),
+    ``"perturb_max"`` (``noise``, ``points``; label sets up to 4096) or
+    ``"am_softmax"`` (``margin``, ``scale``; a sequence-classification head
+    becomes a cosine head, undone by :func:`unpatch_model`); the sparse losses also take ``fused``:
     ``True`` makes a causal LM in training mode compute the loss from its
     hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
     ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
@@ -283,9 +324,8 @@ def patch_model(
             loss=loss if loss is not None else previous.loss,
             loss_options=loss_options if loss is not None or loss_options else previous.loss_options,
         )
-    loss_function = None
-    if settings.loss not in (None, "cross_entropy"):
-        loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
+    losses = loss_plan(inner, settings)
+    loss_function = None if losses is None else losses[1]
     plan = attention_plan(inner, settings)
     fused = bool(settings.loss_options.get("fused", False))
     if fused:
@@ -296,11 +336,14 @@ def patch_model(
         load_learned_alpha(inner)
     remove_matched_generate(inner)
     remove_fused_forward(inner)
+    remove_cosine_head(inner)
     if fused:
         install_fused_forward(inner, settings.loss, settings.loss_options)
+    if losses is not None and losses[2] == "cosine":
+        install_cosine_head(inner, None if routes_loss_function(inner) else loss_function)
     if loss_function is not None:
         inner.loss_function = loss_function
-        if model_task(inner) == "causal_lm" and hasattr(inner, "generate"):
+        if losses[0] == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
     elif "_loss_function" in vars(inner):
         del inner._loss_function
@@ -318,6 +361,7 @@ def unpatch_model(model):
     restore_attention(inner)
     remove_matched_generate(inner)
     remove_fused_forward(inner)
+    remove_cosine_head(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
@@ -335,7 +379,9 @@ def compute_loss_func(loss: str, task: str = "causal_lm", ignore_index: int = -1
     """
     if task not in ("causal_lm", "sequence_classification", "token_classification"):
         raise ValueError(f"task must be causal_lm, sequence_classification or token_classification, got {task!r}")
-    head_loss = task_loss(task, make_loss(loss, **loss_options), ignore_index)
+    loss_fn = make_loss(loss, **loss_options)
+    registry.check_head(registry.get(loss), task)
+    head_loss = task_loss(task, loss_fn, ignore_index)
 
     def compute(outputs, labels, num_items_in_batch=None):
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]

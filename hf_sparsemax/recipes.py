@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from .mappings import registry
 from .settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
@@ -161,7 +162,11 @@ class Recipe:
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
         for variant in self.all_variants():  # validates names and options of every variant
-            variant.settings
+            if variant.loss not in (None, "cross_entropy"):
+                try:
+                    registry.check_head(registry.get(variant.loss), self.task)
+                except ValueError as error:
+                    raise RecipeError(f"variants.{variant.name}: {error}") from None
             check_training(f"variants.{variant.name}.training", variant.training)
 
     def all_variants(self) -> list[Variant]:

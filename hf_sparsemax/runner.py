@@ -25,7 +25,7 @@ import torch
 
 from . import metrics
 from .losses import loss_mapping
-from .patch import base_model, compute_loss_func, patch_model, routes_loss_function
+from .patch import compute_loss_func, patch_model, swaps_loss
 from .recipes import Recipe, RecipeError, Variant, one_line
 
 
@@ -171,7 +171,7 @@ def prepare(model, recipe: Recipe, variant: Variant):
         model = get_peft_model(model, lora_config(recipe))
     loss, options = variant.loss, variant.loss_options
     custom = None
-    if loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
+    if not swaps_loss(model, loss):
         custom = compute_loss_func(loss, task=recipe.task, **options)
         loss, options = None, {}
     patch_model(model, attn=variant.attn, loss=loss, attn_options=variant.attn_options or None,
@@ -327,7 +327,7 @@ def load_trained(recipe: Recipe, folder: str):
     variant = Variant(info["variant"], attn=settings.get("attn"), attn_options=settings.get("attn_options", {}),
                       loss=settings.get("loss"), loss_options=settings.get("loss_options", {}))
     custom = None
-    if variant.loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
+    if not swaps_loss(model, variant.loss):
         custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
         patch_model(model, attn=variant.attn, attn_options=variant.attn_options or None)
     else:
