@@ -313,3 +313,20 @@ def test_classify_recipe_has_an_am_softmax_variant():
     assert variant.loss == "am_softmax" and variant.loss_options == {"margin": 0.35, "scale": 30.0}
     with pytest.raises(RecipeError, match="sequence_classification"):
         load_recipe("default", ["variants.top3={loss: am_softmax}"])
+
+
+def test_cosine_head_through_peft_trains_the_saved_copy_of_the_head():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(classifier("bert"), LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"]))
+    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(14))
+    labels = torch.tensor([0, 1, 2])
+    hs.patch_model(model, loss="am_softmax")
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits.abs().max() <= 1
+    torch.testing.assert_close(out.loss, hs.am_softmax_loss(out.logits, labels))
+    out.loss.backward()
+    trained = model.base_model.model.classifier.modules_to_save["default"].weight
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
+    hs.unpatch_model(model)
+    assert model(input_ids=ids).logits.abs().max() != out.logits.abs().max()
