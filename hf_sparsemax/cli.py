@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         add_recipe_command(commands, name)
     report = commands.add_parser("decoding-report", help="how far sampling strays from the trained distribution")
     report.add_argument("--model", help="model id, folder or .gguf file (default: offline SmolLM2-135M-Instruct)")
-    report.add_argument("--loss", choices=["cross_entropy", *registry.names("processor")],
-                        help="the training loss whose distribution decoding should match")
+    report.add_argument("--loss", help="the training loss whose distribution decoding should match: one of "
+                        + ", ".join(["cross_entropy", *registry.names("processor")]))
     report.add_argument("--loss-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE")
     report.add_argument("--decode-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE",
                         help="decode with plain transformers sampling and these generate options instead")

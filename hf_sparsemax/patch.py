@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 import inspect
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from .generation import (
     set_instance_method,
 )
 from .losses import make_loss
-from .margin import install_cosine_head, remove_cosine_head
+from .margin import head_linears, install_cosine_head, remove_cosine_head
 from .mappings import registry
 from .settings import CONFIG_KEY, SparseSettings
 
@@ -96,23 +96,26 @@ def swaps_loss(model, loss: str | None) -> bool:
     return routes_loss_function(base_model(model))
 
 
-def loss_plan(inner, settings: SparseSettings):
-    """Validate the loss swap (nothing changes): ``(task, loss_function, head)`` or ``None`` for the model's own.
+class LossPlan(NamedTuple):
+    """A validated loss swap: the head's task, its ``loss_function`` and the head it needs (``"cosine"`` or None)."""
 
-    ``head`` is ``"cosine"`` for a loss that needs a cosine classification head.
-    """
+    task: str
+    loss_function: Callable
+    head: str | None
+
+
+def loss_plan(inner, settings: SparseSettings) -> LossPlan | None:
+    """Validate the loss swap (nothing changes); ``None`` for the model's own loss."""
     if settings.loss in (None, "cross_entropy"):
         return None
     entry = registry.get(settings.loss)
     if entry.head == "cosine":
-        from .margin import head_linears
-
         head_linears(inner)  # refuses families whose head is not known
         task = "sequence_classification"
     else:
         task = model_task(inner)
     registry.check_head(entry, task, head_classes(inner))
-    return task, task_loss(task, make_loss(settings.loss, **settings.loss_options)), entry.head
+    return LossPlan(task, task_loss(task, make_loss(settings.loss, **settings.loss_options)), entry.head)
 
 
 def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[..., torch.Tensor]:
@@ -325,7 +328,7 @@ def patch_model(
             loss_options=loss_options if loss is not None or loss_options else previous.loss_options,
         )
     losses = loss_plan(inner, settings)
-    loss_function = None if losses is None else losses[1]
+    loss_function = None if losses is None else losses.loss_function
     plan = attention_plan(inner, settings)
     fused = bool(settings.loss_options.get("fused", False))
     if fused:
@@ -339,11 +342,11 @@ def patch_model(
     remove_cosine_head(inner)
     if fused:
         install_fused_forward(inner, settings.loss, settings.loss_options)
-    if losses is not None and losses[2] == "cosine":
+    if losses is not None and losses.head == "cosine":
         install_cosine_head(inner, None if routes_loss_function(inner) else loss_function)
     if loss_function is not None:
         inner.loss_function = loss_function
-        if losses[0] == "causal_lm" and hasattr(inner, "generate"):
+        if losses.task == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
     elif "_loss_function" in vars(inner):
         del inner._loss_function

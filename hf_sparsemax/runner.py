@@ -25,7 +25,7 @@ import torch
 
 from . import metrics
 from .losses import loss_mapping
-from .patch import compute_loss_func, patch_model, swaps_loss
+from .patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .recipes import Recipe, RecipeError, Variant, one_line
 
 
