@@ -160,9 +160,7 @@ class Recipe:
             check_keys("lora", self.lora, lora_fields())
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
-        for variant in self.all_variants():  # validates names and options of every variant
-            variant.settings
-            check_training(f"variants.{variant.name}.training", variant.training)
+        self.all_variants()  # validates names, options and training overrides of every variant
 
     def all_variants(self) -> list[Variant]:
         """The variants to compare, in recipe order (the recipe's own settings alone when it names none)."""
@@ -177,6 +175,8 @@ class Recipe:
                 raise RecipeError(f"variants.{name} must be a mapping, got {spec!r}")
             check_keys(f"variants.{name}", spec, [f.name for f in dataclasses.fields(Variant) if f.name != "name"])
             merged = {**copy.deepcopy(base), **copy.deepcopy(spec)}
+            merged["training"] = merged.get("training") or {}
+            check_training(f"variants.{name}.training", merged["training"])  # numbers coerced in the copy used
             if "attn" in spec and "attn_options" not in spec:
                 merged["attn_options"] = {}
             if "loss" in spec and "loss_options" not in spec:
