@@ -29,7 +29,9 @@ import numbers
 class HeadTransform:
     """How one family derives its logits from ``lm_head(h)``; each field is a dotted attribute path on the model.
 
-    ``multiply``: logits times that value; ``divide``: logits divided by it;
+    ``multiply``: logits times that value; ``divide``: logits divided by it
+    (applied as a multiplication by the reciprocal: equal up to one float
+    rounding, exactly equal for powers of two such as Granite's 8 and 16);
     ``softcap``: final ``c * tanh(x / c)`` (its value may be None: no capping).
     ``router_aux_loss``: the forward adds ``router_aux_loss_coef`` times a
     load-balancing loss when ``output_router_logits`` is on (not fused: refused).

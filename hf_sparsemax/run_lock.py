@@ -88,7 +88,8 @@ def output_lock(folder: str, what: str):
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": f"hf-sparsemax {what}", "started": time.time()}).encode(), 0)
+        info = {"pid": os.getpid(), "command": f"hf-sparsemax {what}", "started": time.time()}
+        os.pwrite(fd, json.dumps(info).encode(), 0)
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):

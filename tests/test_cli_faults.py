@@ -63,8 +63,8 @@ BAD = {
 
 @pytest.mark.parametrize("command", ["train", "compare"])
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_settings_are_refused_before_loading_and_write_nothing(tiny_llama, tmp_path, capsys, no_loading,  # noqa: F811
-                                                                  command, case):
+def test_bad_settings_are_refused_before_loading_and_write_nothing(tiny_llama, tmp_path, capsys,  # noqa: F811
+                                                                  no_loading, command, case):
     recipe = write_recipe(tmp_path, tiny_llama)
     (tmp_path / "file").write_text("not a folder")
     before = files_under(tmp_path)
