@@ -31,6 +31,7 @@ from .generation import (
     set_instance_method,
 )
 from .losses import make_loss
+from .reload import clear as clear_load_marks, keep_alpha_with_adapter, mark as mark_for_load
 from .settings import CONFIG_KEY, SparseSettings
 
 TASKS = {  # transformers loss_type -> task of the head
@@ -294,6 +295,8 @@ def patch_model(
     apply_attention(inner, plan, keep_learned=attn is None)
     if reapply and plan is not None and plan[1].learn_alpha:
         load_learned_alpha(inner)
+    if model is not inner and plan is not None and plan[1].learn_alpha:
+        keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
     remove_matched_generate(inner)
     remove_fused_forward(inner)
     if fused:
@@ -309,6 +312,7 @@ def patch_model(
             delattr(inner.config, CONFIG_KEY)
     else:
         setattr(inner.config, CONFIG_KEY, settings.to_dict())
+    mark_for_load(inner, settings)  # from_pretrained restores it (hf_sparsemax.reload)
     return model
 
 
@@ -322,6 +326,7 @@ def unpatch_model(model):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
         delattr(inner.config, CONFIG_KEY)
+    clear_load_marks(inner)
     return model
 
 
