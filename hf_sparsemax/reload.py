@@ -47,6 +47,7 @@ to restore.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from transformers.quantizers import HfQuantizer
@@ -74,6 +75,11 @@ class SparseLoader(HfQuantizer):
     """Restores a saved hf_sparsemax model while ``from_pretrained`` loads it (quantizes nothing)."""
 
     requires_calibration = False
+    requested_attention = None
+
+    def update_attn_implementation(self, config):
+        self.requested_attention = config._attn_implementation  # config.json's, or from_pretrained's argument
+        return config
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         settings = SparseSettings.from_config(model.config)
@@ -93,6 +99,14 @@ class SparseLoader(HfQuantizer):
             raise ValueError(
                 f"{model.name_or_path}: its config says learn_alpha but the checkpoint has no learned alphas "
                 f"({missing[0]}, ...); save the model with save_pretrained after hf_sparsemax.patch_model"
+            )
+        saved = (SparseSettings.from_config(model.config) or SparseSettings()).attn
+        if saved not in (None, "softmax") and self.requested_attention not in (None, saved):
+            warnings.warn(
+                f"{model.name_or_path} was saved with {saved} attention; attn_implementation="
+                f"{self.requested_attention!r} is ignored so that the saved model comes back. To switch: "
+                f"hf_sparsemax.patch_model(model, attn='softmax') then model.set_attn_implementation(...)",
+                stacklevel=2,
             )
         return patch_model(model)  # no attn / loss: re-applies config.hf_sparsemax, keeping the loaded alphas
 
@@ -161,7 +175,15 @@ def mark(model, settings: SparseSettings) -> None:
         getattr(config, CONFIG_KEY)["decoding"] = note
     if settings.attention_options is not None:
         config.attn_implementation = settings.attn
-    config.quantization_config = SparseLoadConfig()
+    other = getattr(config, "quantization_config", None)
+    if other is None:
+        config.quantization_config = SparseLoadConfig()
+    else:  # a really quantized model keeps its own entry; transformers allows one
+        warnings.warn(
+            "this model is quantized, so its saved folder cannot name hf_sparsemax's load hook: after "
+            "from_pretrained of it, call hf_sparsemax.patch_model(model) to restore the saved settings",
+            stacklevel=3,
+        )
     tags = [TAG]
     if settings.attention_options is not None:
         tags.append(f"sparse-attention-{settings.attn}")

@@ -279,3 +279,41 @@ def test_trained_variant_evaluates_as_the_in_memory_model(tmp_path, tmp_path_fac
     evaluated = json.loads(printed[printed.rindex("{\n"):printed.rindex("}") + 1])
     for key in ("eval_loss", "epsilon_perplexity", "sparsemax_score", "support_size"):
         assert evaluated[key] == pytest.approx(trained[key], rel=1e-6, abs=1e-7), key
+
+
+def test_an_explicit_other_attention_is_named_and_the_saved_model_comes_back(tmp_path):
+    model = patched("bisect+entmax15")
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="saved with entmax_bisect attention; attn_implementation='eager' is ignored"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert_same(behaviour(loaded), behaviour(model))
+
+
+def test_a_quantized_model_keeps_its_own_quantization_config():
+    model = tiny_lm()
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.warns(UserWarning, match="call hf_sparsemax.patch_model"):
+        hs.patch_model(model, loss="sparsemax")
+    assert model.config.quantization_config == {"quant_method": "gptq", "bits": 4}
+    hs.unpatch_model(model)
+    assert model.config.quantization_config == {"quant_method": "gptq", "bits": 4}
+
+
+def test_sequence_classification_round_trip(tmp_path):
+    from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)
+    model = hs.patch_model(LlamaForSequenceClassification(config), attn="sparse_softmax", attn_options={"top_k": 2},
+                           loss="entmax_bisect", loss_options={"alpha": 1.3}).eval()
+    labels = torch.tensor([2, 0])
+    with torch.no_grad():
+        expected = model(input_ids=IDS, attention_mask=MASK, labels=labels)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    with torch.no_grad():
+        got = loaded(input_ids=IDS, attention_mask=MASK, labels=labels)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-6)
+    assert got.loss != torch.nn.functional.cross_entropy(got.logits, labels)
