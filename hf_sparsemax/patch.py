@@ -31,7 +31,8 @@ from .generation import (
     set_instance_method,
 )
 from .losses import make_loss
-from .reload import clear as clear_load_marks, keep_alpha_with_adapter, mark as mark_for_load
+from .reload import clear as clear_load_marks
+from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
 
 TASKS = {  # transformers loss_type -> task of the head
@@ -297,6 +298,8 @@ def patch_model(
         load_learned_alpha(inner)
     if model is not inner and plan is not None and plan[1].learn_alpha:
         keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
+    elif model is not inner:
+        release_alpha_from_adapter(model)
     remove_matched_generate(inner)
     remove_fused_forward(inner)
     if fused:
@@ -327,6 +330,8 @@ def unpatch_model(model):
     if hasattr(inner.config, CONFIG_KEY):
         delattr(inner.config, CONFIG_KEY)
     clear_load_marks(inner)
+    if model is not inner:
+        release_alpha_from_adapter(model)
     return model
 
 

@@ -35,7 +35,9 @@ hf_sparsemax ... we will skip the quantization" and loads the plain weights:
 a model with only a sparse loss (a normal model) loads, and its config and
 generation config say how to decode it. The price: such a folder cannot also
 be loaded with another ``quantization_config`` (bitsandbytes, ...);
-transformers refuses with a ``ValueError``.
+transformers refuses with a ``ValueError``. To load it quantized:
+:func:`remove_load_hook`, ``from_pretrained(..., quantization_config=...)``,
+then ``patch_model(model)`` (learned alphas are read from a local folder).
 
 With peft, the learned alphas of a patched ``PeftModel`` are listed in the
 adapter's ``modules_to_save``: ``PeftModel.save_pretrained`` saves them beside
@@ -191,16 +193,21 @@ def mark(model, settings: SparseSettings) -> None:
         tags.append(f"sparse-loss-{settings.loss}")
         generation = getattr(model, "generation_config", None)
         if generation is not None:
-            generation.hf_sparsemax = {"loss": settings.loss, "loss_options": dict(sorted(settings.loss_options.items())),
-                                       "decoding": note}
+            options = dict(sorted(settings.loss_options.items()))
+            generation.hf_sparsemax = {"loss": settings.loss, "loss_options": options, "decoding": note}
             generation._from_model_config = False  # else transformers drops the entry when loading
     model.add_model_tags(tags)
+
+
+def is_load_hook_entry(entry) -> bool:
+    """Whether a ``quantization_config`` is this module's (a dict when it was loaded without hf_sparsemax)."""
+    return isinstance(entry, SparseLoadConfig) or (isinstance(entry, dict) and entry.get("quant_method") == METHOD)
 
 
 def clear(model) -> None:
     """Remove what :func:`mark` wrote."""
     config = model.config
-    if isinstance(getattr(config, "quantization_config", None), SparseLoadConfig):
+    if is_load_hook_entry(getattr(config, "quantization_config", None)):
         del config.quantization_config
     if "attn_implementation" in vars(config):
         del config.attn_implementation
@@ -208,7 +215,8 @@ def clear(model) -> None:
     if generation is not None and "hf_sparsemax" in vars(generation):
         del generation.hf_sparsemax
     if model.model_tags:
-        model.model_tags = [t for t in model.model_tags if t != TAG and not t.startswith(("sparse-loss-", "sparse-attention-"))]
+        ours = (TAG, "sparse-loss-", "sparse-attention-")
+        model.model_tags = [tag for tag in model.model_tags if not tag.startswith(ours)]
 
 
 def keep_alpha_with_adapter(model) -> None:
@@ -222,3 +230,11 @@ def keep_alpha_with_adapter(model) -> None:
     if ALPHA_ATTR not in names:
         config.modules_to_save = [*names, ALPHA_ATTR]
     set_additional_trainable_modules(model.base_model, config, BaseTuner.get_model_config(model), adapter)
+
+
+def release_alpha_from_adapter(model) -> None:
+    """Undo :func:`keep_alpha_with_adapter` in every adapter's config (the alpha modules themselves are gone)."""
+    for config in model.peft_config.values():
+        names = getattr(config, "modules_to_save", None)
+        if names and ALPHA_ATTR in names:
+            config.modules_to_save = [name for name in names if name != ALPHA_ATTR] or None

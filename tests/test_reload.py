@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T
                           pipeline)
 
 import hf_sparsemax as hs
+from hf_sparsemax import reload
 from hf_sparsemax.attention import ALPHA_ATTR, OPTIONS_ATTR
 from test_patch import Rows
 from test_recipes import CHARS, char_tokenizer, run, write_recipe
@@ -143,6 +145,9 @@ def test_peft_round_trip_on_a_patched_base(tmp_path, case):
         assert ALPHA_ATTR in saved["modules_to_save"]
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     assert_same(behaviour(loaded), expected)
+    hs.unpatch_model(peft_model)
+    assert ALPHA_ATTR not in (peft_model.peft_config["default"].modules_to_save or [])
+    assert not any(ALPHA_ATTR in name for name, _ in peft_model.named_parameters())
 
 
 def without_plugin(folder, code):
@@ -211,17 +216,26 @@ def test_model_card_tags_and_undo(tmp_path):
 
 
 def test_remove_load_hook_gives_the_plain_load_back(tmp_path):
-    from hf_sparsemax import reload
-
-    patched("loss_only_fused").save_pretrained(tmp_path)
+    model = patched("learned+bisect")
+    model.save_pretrained(tmp_path)
     reload.remove_load_hook()
     try:
         plain = AutoModelForCausalLM.from_pretrained(tmp_path)
     finally:
         reload.install_load_hook()
     assert "_loss_function" not in vars(plain) and "generate" not in vars(plain)
+    assert not any(ALPHA_ATTR in name for name, _ in plain.named_parameters())
+    assert_same(behaviour(hs.patch_model(plain)), behaviour(model))  # the way to load such a folder quantized
     restored = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert "_loss_function" in vars(restored) and "generate" in vars(restored)
+
+
+def test_another_quantization_config_is_refused_loudly(tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    patched("entmax15+sparsemax").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantized with SparseLoadConfig but you are passing a BitsAndBytesConfig"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 
 def test_a_checkpoint_without_its_learned_alphas_is_refused(tmp_path):
@@ -297,6 +311,12 @@ def test_a_quantized_model_keeps_its_own_quantization_config():
     assert model.config.quantization_config == {"quant_method": "gptq", "bits": 4}
     hs.unpatch_model(model)
     assert model.config.quantization_config == {"quant_method": "gptq", "bits": 4}
+    # the entry of a folder loaded without hf_sparsemax (a dict) is ours: replaced, no warning
+    model.config.quantization_config = {"quant_method": "hf_sparsemax", "dequantize": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hs.patch_model(model, loss="sparsemax")
+    assert isinstance(model.config.quantization_config, reload.SparseLoadConfig)
 
 
 def test_sequence_classification_round_trip(tmp_path):
