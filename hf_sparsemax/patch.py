@@ -179,8 +179,10 @@ def load_learned_alpha(inner) -> int:
             for key in handle.keys():
                 owner = owners.get(key[: -len(suffix)]) if key.endswith(suffix) else None
                 if owner is not None:
+                    learned = owner._modules[ALPHA_ATTR]
+                    learned = getattr(learned, "original_module", learned)  # peft's wrapper: the base's own alpha
                     with torch.no_grad():
-                        owner._modules[ALPHA_ATTR].pre_alpha.copy_(handle.get_tensor(key))
+                        learned.pre_alpha.copy_(handle.get_tensor(key))
                     loaded += 1
     return loaded
 

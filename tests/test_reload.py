@@ -145,6 +145,7 @@ def test_peft_round_trip_on_a_patched_base(tmp_path, case):
         assert ALPHA_ATTR in saved["modules_to_save"]
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     assert_same(behaviour(loaded), expected)
+    assert_same(behaviour(hs.patch_model(loaded)), expected)  # re-applying keeps the adapter's alphas
     hs.unpatch_model(peft_model)
     assert ALPHA_ATTR not in (peft_model.peft_config["default"].modules_to_save or [])
     assert not any(ALPHA_ATTR in name for name, _ in peft_model.named_parameters())
