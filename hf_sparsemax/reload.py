@@ -102,7 +102,8 @@ class SparseLoader(HfQuantizer):
                 f"{model.name_or_path}: its config says learn_alpha but the checkpoint has no learned alphas "
                 f"({missing[0]}, ...); save the model with save_pretrained after hf_sparsemax.patch_model"
             )
-        saved = (SparseSettings.from_config(model.config) or SparseSettings()).attn
+        settings = SparseSettings.from_config(model.config) or SparseSettings()
+        saved = settings.attn
         if saved not in (None, "softmax") and self.requested_attention not in (None, saved):
             warnings.warn(
                 f"{model.name_or_path} was saved with {saved} attention; attn_implementation="
@@ -110,6 +111,8 @@ class SparseLoader(HfQuantizer):
                 f"hf_sparsemax.patch_model(model, attn='softmax') then model.set_attn_implementation(...)",
                 stacklevel=2,
             )
+        if settings.loss not in (None, "cross_entropy") and not has_loss_head(model):
+            return patch_model(model, loss="cross_entropy")  # a body loaded without the head its loss trained
         return patch_model(model)  # no attn / loss: re-applies config.hf_sparsemax, keeping the loaded alphas
 
     def is_serializable(self) -> bool:
@@ -118,6 +121,17 @@ class SparseLoader(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True
+
+
+def has_loss_head(model) -> bool:
+    """Whether the model has a head whose loss ``patch_model`` can swap (``AutoModel`` gives a body without one)."""
+    from .patch import model_task
+
+    try:
+        model_task(model)
+    except ValueError:
+        return False
+    return True
 
 
 def add_learned_alpha(model, plan) -> None:

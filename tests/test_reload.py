@@ -338,3 +338,17 @@ def test_sequence_classification_round_trip(tmp_path):
     torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-6)
     torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-6)
     assert got.loss != torch.nn.functional.cross_entropy(got.logits, labels)
+
+
+def test_the_body_of_a_sparse_model_loads_with_its_attention(tmp_path):
+    from transformers import AutoModel
+
+    model = patched("learned+bisect")
+    model.save_pretrained(tmp_path)
+    body = AutoModel.from_pretrained(tmp_path)  # no LM head: the loss does not apply, the attention does
+    assert body.config.hf_sparsemax["attn_options"] == {"alpha": 1.6, "learn_alpha": True}
+    assert body.config.hf_sparsemax["loss"] == "cross_entropy"
+    with torch.no_grad():
+        expected = model.model(input_ids=IDS, attention_mask=MASK).last_hidden_state
+        got = body(input_ids=IDS, attention_mask=MASK).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
