@@ -269,7 +269,9 @@ def patch_model(
     hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
     ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
-    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``; with
+    hf_sparsemax imported, ``from_pretrained`` of that folder gives the patched
+    model back (:mod:`hf_sparsemax.reload`). A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
     loss trains (see :mod:`hf_sparsemax.generation`).
     """
