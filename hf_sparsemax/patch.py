@@ -32,6 +32,8 @@ from .generation import (
     set_instance_method,
 )
 from .losses import make_loss
+from .reload import clear as clear_load_marks
+from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
 
 TASKS = {  # transformers loss_type -> task of the head
@@ -178,8 +180,10 @@ def load_learned_alpha(inner) -> int:
             for key in handle.keys():
                 owner = owners.get(key[: -len(suffix)]) if key.endswith(suffix) else None
                 if owner is not None:
+                    learned = owner._modules[ALPHA_ATTR]
+                    learned = getattr(learned, "original_module", learned)  # peft's wrapper: the base's own alpha
                     with torch.no_grad():
-                        owner._modules[ALPHA_ATTR].pre_alpha.copy_(handle.get_tensor(key))
+                        learned.pre_alpha.copy_(handle.get_tensor(key))
                     loaded += 1
     return loaded
 
@@ -275,7 +279,9 @@ def patch_model(
     hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
     ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
-    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``; with
+    hf_sparsemax imported, ``from_pretrained`` of that folder gives the patched
+    model back (:mod:`hf_sparsemax.reload`). A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
     loss trains (see :mod:`hf_sparsemax.generation`).
     """
@@ -304,6 +310,10 @@ def patch_model(
     apply_attention(inner, plan, keep_learned=attn is None)
     if reapply and plan is not None and plan[1].learn_alpha:
         load_learned_alpha(inner)
+    if model is not inner and plan is not None and plan[1].learn_alpha:
+        keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
+    elif model is not inner:
+        release_alpha_from_adapter(model)
     remove_matched_generate(inner)
     remove_fused_forward(inner)
     if fused:
@@ -319,6 +329,7 @@ def patch_model(
             delattr(inner.config, CONFIG_KEY)
     else:
         setattr(inner.config, CONFIG_KEY, settings.to_dict())
+    mark_for_load(inner, settings)  # from_pretrained restores it (hf_sparsemax.reload)
     return model
 
 
@@ -332,6 +343,9 @@ def unpatch_model(model):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
         delattr(inner.config, CONFIG_KEY)
+    clear_load_marks(inner)
+    if model is not inner:
+        release_alpha_from_adapter(model)
     return model
 
 
