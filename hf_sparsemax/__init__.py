@@ -24,11 +24,13 @@ from .generation import (
 )
 from .fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
+from .reload import install_load_hook
 from .mappings import entmax15, entmax_bisect, perturb_max, sparse_softmax, sparsemax, taylor_softmax
 
 __version__ = "0.1.0"
 
 register_attention()  # every attention of the registry ("sparsemax", "entmax15", ...) becomes an attn_implementation name
+install_load_hook()  # from_pretrained restores a saved sparse model (hf_sparsemax.reload)
 
 __all__ = [
     "LearnedAlpha",

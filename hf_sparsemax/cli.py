@@ -14,7 +14,9 @@ null, [q_proj, v_proj]). `training` is passed to transformers.TrainingArguments,
 `lora` to peft.LoraConfig (null: full fine-tuning). Results go to
 --output (default runs/<recipe name>), written to a .partial folder first and
 renamed when complete; --resume continues an interrupted run from its last
-checkpoint. Bad input exits with code 2 and one line saying what to fix.
+checkpoint. One run per output folder at a time (a second is refused at once,
+naming the other's pid). Bad input exits with code 2 and one line saying what
+to fix, before any model loads where it can be checked without one.
 Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.cli train ...
 """
 

@@ -1,13 +1,16 @@
 """A sparse loss straight from the hidden states: the output head and the loss, chunk by chunk.
 
 For hidden states ``h`` (``[N, H]``), the head weight ``W`` (``[V, H]``), an
-optional bias ``b`` and optional final soft-capping (Gemma),
+optional bias ``b``, an optional logit scale ``s`` (Cohere, Granite, Falcon-H1)
+and optional final soft-capping (Gemma),
 
-    x = h W^T + b,   z = c tanh(x / c)  (z = x without capping),   L = sum_n loss(z_n, t_n),
+    x = h W^T + b,   z = c tanh(s x / c)  (z = s x without capping),   L = sum_n loss(z_n, t_n),
 
 with ``dL/dz_n = p_n - e_{t_n} =: g_n`` for every sparse loss (``p`` the loss's
-mapping of ``z``). Capping multiplies by ``dz/dx = 1 - (z/c)**2``, which keeps
-``g`` exactly as sparse. So with ``S`` the support of ``p`` plus the target,
+mapping of ``z``). The chain rule multiplies by ``dz/dx = s (1 - (z/c)**2)``,
+which keeps ``g`` exactly as sparse (which scale and cap a model family uses
+is data: :mod:`hf_sparsemax.fused_heads`). So with ``S`` the support of ``p``
+plus the target,
 
     dh_n = sum_{i in S_n} g_ni W_i,   dW_i = sum_n g_ni h_n,   db_i = sum_n g_ni:
 
@@ -101,8 +104,9 @@ class SparseHeadLossFunction(torch.autograd.Function):
     """Summed loss of ``support_fn`` over the tokens of ``hidden`` (all counted); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, support_fn, softcap, chunk_size):
+    def forward(ctx, hidden, weight, bias, target, support_fn, softcap, chunk_size, scale):
         n, vocab = hidden.shape[0], weight.shape[0]
+        ctx.bias_dtype = None if bias is None else bias.dtype
         dtype = work_dtype(hidden.dtype)
         masked = masked_below(hidden.dtype)
         needs_grad = any(ctx.needs_input_grad[:3])
@@ -113,6 +117,8 @@ class SparseHeadLossFunction(torch.autograd.Function):
             h, t = hidden[start : start + chunk_size], target[start : start + chunk_size]
             logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
             z = logits.to(dtype)
+            if scale is not None:
+                z = z.mul_(scale)
             if softcap is not None:
                 z = z.div_(softcap).tanh_().mul_(softcap)
             index, p, items = support_fn(z, t, masked)
@@ -122,13 +128,15 @@ class SparseHeadLossFunction(torch.autograd.Function):
             if index is None:
                 found = compact(p, vocab // DENSE_FRACTION)
                 if found is None:
-                    dense = dense_gradient(p, z, h, t, weight, softcap, start, n, dense)
+                    dense = dense_gradient(p, z, h, t, weight, softcap, scale, start, n, dense)
                     continue
                 index, p = found
             index = torch.cat([index, t.unsqueeze(-1)], -1)
             g = torch.cat([p, p.new_full((len(t), 1), -1.0)], -1)
             if softcap is not None:  # dz/dx = 1 - (z / c)**2 on the support and the target
                 g = g * (1 - (z.gather(-1, index) / softcap).square())
+            if scale is not None:  # dz/dx = s
+                g = g * scale
             entry_rows.append(torch.arange(start, start + len(t), device=h.device).repeat_interleave(index.shape[1]))
             cols.append(index.reshape(-1))
             vals.append(g.reshape(-1))
@@ -152,8 +160,8 @@ class SparseHeadLossFunction(torch.autograd.Function):
             dw = ((dw + dense[1]) if dense else dw).mul_(grad_total).to(weight.dtype)
         if need_b:
             db = torch.zeros(vocab, dtype=dtype, device=vals.device).index_add_(0, cols, vals)
-            db = ((db + dense[2]) if dense else db).mul_(grad_total).to(weight.dtype)
-        return dh, dw, db, None, None, None, None
+            db = ((db + dense[2]) if dense else db).mul_(grad_total).to(ctx.bias_dtype)
+        return dh, dw, db, None, None, None, None, None
 
 
 def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
@@ -168,11 +176,13 @@ def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shap
         return torch.sparse_csr_tensor(crow, cols, vals, shape, check_invariants=False)
 
 
-def dense_gradient(p, z, h, t, weight, softcap, start, n, dense):
+def dense_gradient(p, z, h, t, weight, softcap, scale, start, n, dense):
     """Add one chunk's dense ``g = (p - e_t) * dz/dx`` to ``(dh, dW, db)`` (created on first use)."""
     g = p.scatter_add(-1, t.unsqueeze(-1), p.new_full((len(t), 1), -1.0))
     if softcap is not None:
         g.mul_(1 - (z / softcap).square())
+    if scale is not None:
+        g.mul_(scale)
     if dense is None:
         dense = (g.new_zeros(n, h.shape[1]), g.new_zeros(weight.shape), g.new_zeros(weight.shape[0]))
     dh, dw, db = dense
@@ -182,7 +192,8 @@ def dense_gradient(p, z, h, t, weight, softcap, start, n, dense):
     return dense
 
 
-def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size) -> None:
+def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size,
+                    logit_scale=None) -> None:
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError("hidden must be a floating-point tensor of shape [..., hidden_size]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -197,6 +208,9 @@ def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_
         raise ValueError(f"bias must be None or have shape [{weight.shape[0]}]")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0):
         raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
+    if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real)
+                                    or not 0 < logit_scale < float("inf")):
+        raise ValueError(f"logit_scale must be None or a positive finite float, got {logit_scale!r}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' for the fused head loss, got {reduction!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -216,16 +230,19 @@ def fused_head_loss(
     reduction: str = "mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    logit_scale: float | None = None,
     **loss_options,
 ) -> torch.Tensor:
-    """``loss(softcap(hidden @ weight.T + bias), labels)`` without the ``[tokens, vocab]`` logits, sparse backward.
+    """``loss(softcap(logit_scale * (hidden @ weight.T + bias)), labels)`` without the ``[tokens, vocab]`` logits.
 
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]`` (tied or not), ``labels``
     ``[...]`` aligned with ``hidden`` (a causal LM shifts them first). ``loss``
     is ``"sparse_softmax"`` (``top_k``, ``top_p``), ``"sparsemax"``,
     ``"entmax15"`` or ``"entmax_bisect"`` (a float ``alpha``); ``softcap`` is
-    Gemma's final ``c * tanh(x / c)``. Tokens labelled ``ignore_index`` are
-    skipped. Returns the sum over counted tokens divided by
+    Gemma's final ``c * tanh(x / c)``, applied after the multiplier
+    ``logit_scale`` (Cohere's ``logit_scale``, ``1 / logits_scaling`` for
+    Granite; see :mod:`hf_sparsemax.fused_heads`). Tokens labelled
+    ``ignore_index`` are skipped. Returns the sum over counted tokens divided by
     ``num_items_in_batch`` when given (Trainer's exact gradient accumulation),
     else the mean (``reduction="mean"``, 0 when none counts) or the sum.
     ``chunk_size`` tokens of logits are live at a time (default 1024).
@@ -234,7 +251,7 @@ def fused_head_loss(
     if "fused" in loss_options:
         raise ValueError("fused is an option of patch_model's loss_options, not of fused_head_loss")
     make_loss(loss, **loss_options)  # validates the name and options
-    check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size)
+    check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size, logit_scale)
     support_fn = support_function(loss, loss_options)
     flat_labels = labels.reshape(-1).to(hidden.device)
     kept = (flat_labels != ignore_index).nonzero().squeeze(1)
@@ -244,7 +261,8 @@ def fused_head_loss(
                          f"ignore_index={ignore_index}")
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
     total = SparseHeadLossFunction.apply(tokens, weight, bias, target, support_fn,
-                                         None if softcap is None else float(softcap), chunk_size or CHUNK_TOKENS)
+                                         None if softcap is None else float(softcap), chunk_size or CHUNK_TOKENS,
+                                         None if logit_scale is None else float(logit_scale))
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
@@ -256,17 +274,21 @@ class FusedHeadLoss(nn.Module):
     """Module form of :func:`fused_head_loss`: ``forward(hidden, weight, labels, bias=None, num_items_in_batch=None)``."""
 
     def __init__(self, loss: str = "sparse_softmax", softcap: float | None = None, ignore_index: int = -100,
-                 reduction: str = "mean", chunk_size: int | None = None, **loss_options):
+                 reduction: str = "mean", chunk_size: int | None = None, logit_scale: float | None = None,
+                 **loss_options):
         super().__init__()
         make_loss(loss, **loss_options)
         support_function(loss, loss_options)
         self.loss, self.softcap, self.ignore_index = loss, softcap, ignore_index
         self.reduction, self.chunk_size, self.loss_options = reduction, chunk_size, loss_options
+        self.logit_scale = logit_scale
 
     def forward(self, hidden, weight, labels, bias=None, num_items_in_batch=None) -> torch.Tensor:
         return fused_head_loss(hidden, weight, labels, self.loss, bias, self.softcap, self.ignore_index,
-                               self.reduction, num_items_in_batch, self.chunk_size, **self.loss_options)
+                               self.reduction, num_items_in_batch, self.chunk_size, self.logit_scale,
+                               **self.loss_options)
 
     def extra_repr(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.loss_options.items())
-        return f"loss={self.loss!r}, softcap={self.softcap}, chunk_size={self.chunk_size}{options}"
+        scale = "" if self.logit_scale is None else f", logit_scale={self.logit_scale}"
+        return f"loss={self.loss!r}, softcap={self.softcap}{scale}, chunk_size={self.chunk_size}{options}"

@@ -24,6 +24,7 @@ from torch import nn
 
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .fused import fused_head_loss
+from .fused_heads import head_transform, head_values, router_refusal
 from .generation import (
     install_matched_generate,
     remove_instance_method,
@@ -33,6 +34,8 @@ from .generation import (
 from .losses import make_loss
 from .margin import head_linears, install_cosine_head, remove_cosine_head
 from .mappings import registry
+from .reload import clear as clear_load_marks
+from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
 
 TASKS = {  # transformers loss_type -> task of the head
@@ -218,14 +221,16 @@ def load_learned_alpha(inner) -> int:
             for key in handle.keys():
                 owner = owners.get(key[: -len(suffix)]) if key.endswith(suffix) else None
                 if owner is not None:
+                    learned = owner._modules[ALPHA_ATTR]
+                    learned = getattr(learned, "original_module", learned)  # peft's wrapper: the base's own alpha
                     with torch.no_grad():
-                        owner._modules[ALPHA_ATTR].pre_alpha.copy_(handle.get_tensor(key))
+                        learned.pre_alpha.copy_(handle.get_tensor(key))
                     loaded += 1
     return loaded
 
 
 def check_fusable(model) -> None:
-    """A causal LM whose forward is ``base model -> lm_head`` (transformers' ``logits_to_keep`` layout)."""
+    """A causal LM whose forward is ``base model -> lm_head -> a known head transform`` (see :mod:`.fused_heads`)."""
     params = inspect.signature(type(model).forward).parameters
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (model_task(model) != "causal_lm" or "logits_to_keep" not in params or "labels" not in params
@@ -234,6 +239,7 @@ def check_fusable(model) -> None:
             f"loss_options fused=True needs a causal LM whose forward runs its base model then an nn.Linear lm_head "
             f"(with logits_to_keep, as LlamaForCausalLM); {type(model).__name__} is not one: drop fused"
         )
+    head_transform(model)
 
 
 def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> None:
@@ -242,7 +248,10 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
     In training mode with ``labels``, the forward runs the base model, shifts
     the labels as transformers does and returns
     ``CausalLMOutputWithPast(loss=fused_head_loss(...), logits=None)``: the
-    ``[tokens, vocab]`` logits are never formed, so none are returned. In eval
+    ``[tokens, vocab]`` logits are never formed, so none are returned. The
+    family's head transform (logit scale, soft-capping) comes from
+    :data:`~hf_sparsemax.fused_heads.HEAD_TRANSFORMS`, its values are read at
+    each call. In eval
     mode, without labels (``generate``), or when the head is not a plain
     ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) the original forward
     runs unchanged, with its (unfused, equal) patched loss.
@@ -252,6 +261,7 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
     original = type(model).forward
     signature = inspect.signature(original)
     options = {k: v for k, v in loss_options.items() if k != "fused"}
+    transform = head_transform(model)
 
     def forward(*args, **kwargs):
         arguments = signature.bind(model, *args, **kwargs).arguments
@@ -260,6 +270,11 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
         if labels is None or not model.training or type(head) is not nn.Linear:
             return original(model, *args, **kwargs)
         inputs = {k: v for k, v in arguments.items() if k not in ("self", "labels", "logits_to_keep", "kwargs")}
+        router = inputs.get("output_router_logits")
+        if transform.router_aux_loss and (getattr(model.config, "output_router_logits", False) if router is None
+                                          else router):
+            raise router_refusal(model)  # the forward would add a load-balancing loss the fused path leaves out
+        scale, softcap = head_values(model, transform)
         extra = dict(arguments.get("kwargs", {}))
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         shift_labels = extra.pop("shift_labels", None)
@@ -269,8 +284,7 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
         hidden = outputs[0]
         loss_value = fused_head_loss(
             hidden, head.weight, shift_labels.to(hidden.device), loss, bias=head.bias,
-            softcap=getattr(model.config, "final_logit_softcapping", None),
-            num_items_in_batch=num_items_in_batch, **options,
+            softcap=softcap, logit_scale=scale, num_items_in_batch=num_items_in_batch, **options,
         )
         return CausalLMOutputWithPast(loss=loss_value, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -309,7 +323,9 @@ def patch_model(
     hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
     ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
-    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``; with
+    hf_sparsemax imported, ``from_pretrained`` of that folder gives the patched
+    model back (:mod:`hf_sparsemax.reload`). A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
     loss trains (see :mod:`hf_sparsemax.generation`).
     """
@@ -337,6 +353,10 @@ def patch_model(
     apply_attention(inner, plan, keep_learned=attn is None)
     if reapply and plan is not None and plan[1].learn_alpha:
         load_learned_alpha(inner)
+    if model is not inner and plan is not None and plan[1].learn_alpha:
+        keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
+    elif model is not inner:
+        release_alpha_from_adapter(model)
     remove_matched_generate(inner)
     remove_fused_forward(inner)
     remove_cosine_head(inner)
@@ -355,6 +375,7 @@ def patch_model(
             delattr(inner.config, CONFIG_KEY)
     else:
         setattr(inner.config, CONFIG_KEY, settings.to_dict())
+    mark_for_load(inner, settings)  # from_pretrained restores it (hf_sparsemax.reload)
     return model
 
 
@@ -369,6 +390,9 @@ def unpatch_model(model):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
         delattr(inner.config, CONFIG_KEY)
+    clear_load_marks(inner)
+    if model is not inner:
+        release_alpha_from_adapter(model)
     return model
 
 

@@ -169,6 +169,12 @@ def prepare(model, recipe: Recipe, variant: Variant):
 
         set_seed(recipe.training_args(variant).get("seed", 42))  # LoRA's random init: the same on every run
         model = get_peft_model(model, lora_config(recipe))
+    return model, patch_variant(model, recipe, variant)
+
+
+def patch_variant(model, recipe: Recipe, variant: Variant):
+    """Patch attention and loss as ``variant`` says; returns the ``compute_loss_func`` (or None) for heads that
+    hard-code cross-entropy. On a ``PeftModel`` learned alphas are saved with the adapter (``modules_to_save``)."""
     loss, options = variant.loss, variant.loss_options
     custom = None
     if not swaps_loss(model, loss):
@@ -176,7 +182,7 @@ def prepare(model, recipe: Recipe, variant: Variant):
         loss, options = None, {}
     patch_model(model, attn=variant.attn, loss=loss, attn_options=variant.attn_options or None,
                 loss_options=options or None)
-    return model, custom
+    return custom
 
 
 def variant_mapping(variant: Variant):
@@ -317,22 +323,22 @@ def load_trained(recipe: Recipe, folder: str):
         info = json.load(handle)
     model_dir = os.path.join(folder, "model")
     tokenizer = load_tokenizer(recipe, model_dir)
-    if info["lora"]:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_base_model(recipe, info["labels"]), model_dir)
-    else:
-        model = load_base_model(recipe, info["labels"], folder=model_dir)
     settings = info["settings"]
     variant = Variant(info["variant"], attn=settings.get("attn"), attn_options=settings.get("attn_options", {}),
                       loss=settings.get("loss"), loss_options=settings.get("loss_options", {}))
-    custom = None
-    if not swaps_loss(model, variant.loss):
-        custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
-        patch_model(model, attn=variant.attn, attn_options=variant.attn_options or None)
+    if info["lora"]:
+        from peft import PeftModel
+
+        # the base patched as in training (fresh alphas); the adapter then restores the trained ones (modules_to_save)
+        base = load_base_model(recipe, info["labels"])
+        custom = patch_variant(base, recipe, variant)
+        model = PeftModel.from_pretrained(base, model_dir)
     else:
-        patch_model(model, attn=variant.attn, loss=variant.loss, attn_options=variant.attn_options or None,
-                    loss_options=variant.loss_options or None)
+        model = load_base_model(recipe, info["labels"], folder=model_dir)  # restored from its config on load
+        patch_model(model)  # re-applies the saved settings (folders saved before the load hook), keeps the alphas
+        custom = None
+        if not swaps_loss(model, variant.loss):
+            custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
     model.eval()
     return model, tokenizer, variant, custom, info
 

@@ -69,7 +69,7 @@ class SparseSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SparseSettings":
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names - {"version"})
+        unknown = sorted(set(data) - names - {"version", "decoding"})  # decoding: a note for people
         if unknown:
             warnings.warn(f"hf_sparsemax settings: ignoring unknown keys {unknown}", stacklevel=2)
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -157,9 +157,14 @@ def test_resume_continues_from_the_last_checkpoint(tiny_llama, tmp_path, monkeyp
     monkeypatch.setattr(Trainer, "training_step", original)
     assert run("train", recipe, "--output", tmp_path / "cut", "--resume", *steps) == 0
     resumed = json.loads((tmp_path / "cut" / "top3" / "log_history.json").read_text())
-    losses = lambda history: [(e["step"], e["loss"]) for e in history if "loss" in e]  # noqa: E731
-    assert losses(resumed)[-2:] == pytest.approx(losses(whole)[-2:], rel=1e-5)
-    assert [s for s, _ in losses(resumed)] == [1, 2, 3, 4, 5, 6]
+    def steps_and_losses(history):
+        logged = [e for e in history if "loss" in e]
+        return [e["step"] for e in logged], [e["loss"] for e in logged]
+
+    resumed_steps, resumed_losses = steps_and_losses(resumed)
+    whole_steps, whole_losses = steps_and_losses(whole)
+    assert resumed_steps == whole_steps == [1, 2, 3, 4, 5, 6]
+    assert resumed_losses[-2:] == pytest.approx(whole_losses[-2:], rel=1e-5)
     assert json.loads((tmp_path / "cut" / "top3" / "results.json").read_text())["resumed_from"] == "checkpoint-4"
 
 
