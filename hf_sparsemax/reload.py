@@ -111,7 +111,7 @@ class SparseLoader(HfQuantizer):
                 f"hf_sparsemax.patch_model(model, attn='softmax') then model.set_attn_implementation(...)",
                 stacklevel=2,
             )
-        if settings.loss not in (None, "cross_entropy") and not has_loss_head(model):
+        if settings.loss not in (None, "cross_entropy") and not has_loss_head(model, settings):
             return patch_model(model, loss="cross_entropy")  # a body loaded without the head its loss trained
         return patch_model(model)  # no attn / loss: re-applies config.hf_sparsemax, keeping the loaded alphas
 
@@ -123,12 +123,13 @@ class SparseLoader(HfQuantizer):
         return True
 
 
-def has_loss_head(model) -> bool:
-    """Whether the model has a head whose loss ``patch_model`` can swap (``AutoModel`` gives a body without one)."""
-    from .patch import model_task
+def has_loss_head(model, settings: SparseSettings) -> bool:
+    """Whether the model has a head whose loss ``patch_model`` can swap to ``settings.loss``
+    (``AutoModel`` gives a body without one)."""
+    from .patch import loss_plan
 
     try:
-        model_task(model)
+        loss_plan(model, settings)
     except ValueError:
         return False
     return True
