@@ -111,8 +111,9 @@ def recipe_command(args) -> int:
         return 0
     if args.command == "train":
         out = commands.train_command(recipe, args.variant, args.output, args.resume)
+        final = "none logged (max_steps < logging_steps)" if out["final_loss"] is None else f"{out['final_loss']:.4f}"
         summary(f"trained {out['variant']!r} ({out['steps']} steps, {out['seconds']:.0f} s), final loss "
-                f"{out['final_loss']:.4f}, held-out {headline(out)}; saved in {out['folder']}", None)
+                f"{final}, held-out {headline(out)}; saved in {out['folder']}", None)
     elif args.command == "evaluate":
         out = commands.evaluate_command(recipe, args.variant, args.output)
         print(json.dumps(out, indent=2, default=str))

@@ -139,3 +139,12 @@ def test_a_busy_folder_is_refused_at_once_and_a_killed_run_never_blocks(tiny_lla
     printed = capsys.readouterr().out
     assert f"{out / 'top3'} holds a finished result; this run replaces it" in printed
     assert f"replaced the earlier result in {out / 'top3'}" in printed
+
+
+def test_train_summary_when_no_loss_was_logged(tiny_llama, tmp_path, capsys):
+    """max_steps below logging_steps: training logs no loss; the summary says so instead of crashing."""
+    recipe = write_recipe(tmp_path, tiny_llama)
+    assert run("train", recipe, "--variant", "top3", "--output", tmp_path / "out",
+               "--set", "training.max_steps=2", "--set", "training.logging_steps=10") == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "final loss none logged" in summary and "trained 'top3' (2 steps" in summary
