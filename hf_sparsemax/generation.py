@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ._model import base_model, remove_instance_method, set_instance_method
 from .losses import loss_mapping
 from .mappings import registry
 from .settings import SparseSettings
@@ -109,7 +110,6 @@ def processor_for(loss: str | None, options: dict[str, Any], temperature: float 
 
 def logits_processors(model, temperature: float = 1.0) -> LogitsProcessorList:
     """The ``LogitsProcessorList`` matching the model's patched loss (empty for cross-entropy)."""
-    from .patch import base_model
 
     settings = SparseSettings.from_config(base_model(model).config) or SparseSettings()
     processor = processor_for(settings.loss, settings.loss_options, temperature)
@@ -135,18 +135,6 @@ def matched_generate_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
     user_types = {type(p) for p in user}
     kwargs["logits_processor"] = LogitsProcessorList([*user, *(p for p in matched if type(p) not in user_types)])
     return kwargs
-
-
-def set_instance_method(model, name: str, method, tag: str) -> None:
-    """Shadow ``type(model).name`` by ``method`` on this instance only, marked ``tag`` for removal."""
-    setattr(method, tag, True)
-    setattr(model, name, method)
-
-
-def remove_instance_method(model, name: str, tag: str) -> None:
-    """Undo :func:`set_instance_method` (the class's method shows through again)."""
-    if getattr(vars(model).get(name), tag, False):
-        delattr(model, name)
 
 
 def install_matched_generate(model) -> None:
@@ -185,7 +173,6 @@ def decoding_report(
     whether the sampled token had probability 0 under it, and the training
     mass outside the decoder's support. A matched model gives 0 and 0.
     """
-    from .patch import base_model
 
     inner = base_model(model)
     if loss is None:

@@ -22,50 +22,17 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
+from ._model import TASKS, base_model, model_task, remove_instance_method, routes_loss_function, set_instance_method
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .fused import fused_head_loss
 from .fused_heads import head_transform, head_values, router_refusal
-from .generation import (
-    install_matched_generate,
-    remove_instance_method,
-    remove_matched_generate,
-    set_instance_method,
-)
+from .generation import install_matched_generate, remove_matched_generate
 from .losses import make_loss
 from .margin import head_linears, install_cosine_head, remove_cosine_head
 from .mappings import registry
 from .reload import clear as clear_load_marks
 from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
-
-TASKS = {  # transformers loss_type -> task of the head
-    "ForCausalLM": "causal_lm",
-    "ForConditionalGeneration": "causal_lm",
-    "ForSequenceClassification": "sequence_classification",
-    "ForTokenClassification": "token_classification",
-    "ForMaskedLM": "token_classification",
-}
-
-
-def base_model(model) -> nn.Module:
-    """The transformers model inside a peft ``PeftModel`` (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    inner = get_base() if callable(get_base) else model
-    if not hasattr(inner, "config") or not hasattr(inner, "loss_type"):
-        raise ValueError(f"expected a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}")
-    return inner
-
-
-def model_task(model) -> str:
-    task = TASKS.get(getattr(model, "loss_type", None))
-    if task is None or not routes_loss_function(model):
-        raise ValueError(
-            f"{type(model).__name__} (loss_type={getattr(model, 'loss_type', None)!r}) does not route its loss "
-            f"through model.loss_function for a supported head ({sorted(set(TASKS.values()))}); for such models "
-            "pass hf_sparsemax.compute_loss_func(...) to Trainer(compute_loss_func=...)"
-        )
-    return task
-
 
 def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: torch.Tensor) -> torch.Tensor:
     """``sum / num_items_in_batch`` (Trainer's exact gradient accumulation) or the mean over counted items."""
@@ -74,12 +41,6 @@ def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: tor
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss_sum.device)
     return loss_sum / num_items_in_batch
-
-
-def routes_loss_function(model) -> bool:
-    """Whether the model's forward calls ``self.loss_function`` (else it hard-codes its loss)."""
-    forward = inspect.unwrap(type(model).forward)
-    return "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
 
 
 def head_classes(model) -> int | None:

@@ -10,9 +10,9 @@ import time
 import pytest
 from transformers import TrainingArguments
 
-from hf_sparsemax import runner
-from hf_sparsemax.recipes import RecipeError, load_recipe, recipe_from_dict
-from hf_sparsemax.run_lock import lock_path, output_lock
+from hf_sparsemax.app import runner
+from hf_sparsemax.app.recipes import RecipeError, load_recipe, recipe_from_dict
+from hf_sparsemax.app.run_lock import lock_path, output_lock
 
 from test_recipes import run, tiny_llama, write_recipe  # noqa: F401  (tiny_llama is a fixture)
 
@@ -105,7 +105,7 @@ def test_a_busy_folder_is_refused_at_once_and_a_killed_run_never_blocks(tiny_lla
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "hf_sparsemax.cli", "train", recipe, "--variant", "top3",
+        first = subprocess.Popen([sys.executable, "-m", "hf_sparsemax.app.cli", "train", recipe, "--variant", "top3",
                                   "--output", str(out), "--set", "training.max_steps=100000"],
                                  env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

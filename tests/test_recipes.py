@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
-from hf_sparsemax import cli
-from hf_sparsemax.recipes import RECIPE_DIR, RecipeError, load_recipe
+from hf_sparsemax.app import cli
+from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
 CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
 
@@ -240,7 +240,7 @@ def test_two_processes_give_the_losses_of_one(tiny_llama, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.cli"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.app.cli"]
     done = subprocess.run([*launch, *map(str, common), "--output", str(tmp_path / "two"),
                            "--set", "training.per_device_train_batch_size=2"], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -131,7 +131,7 @@ def test_the_swap_points_read_the_registry():
 
 
 def test_cli_lists_the_registered_losses(capsys):
-    from hf_sparsemax import cli
+    from hf_sparsemax.app import cli
 
     with pytest.raises(SystemExit):
         cli.main(["decoding-report", "--help"])

@@ -307,7 +307,7 @@ def test_compute_loss_func_am_softmax_on_cosine_logits():
 
 
 def test_classify_recipe_has_an_am_softmax_variant():
-    from hf_sparsemax.recipes import RecipeError, load_recipe
+    from hf_sparsemax.app.recipes import RecipeError, load_recipe
 
     variant = load_recipe("classify").variant("am_softmax")
     assert variant.loss == "am_softmax" and variant.loss_options == {"margin": 0.35, "scale": 30.0}

@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from .mappings import registry
-from .settings import SparseSettings
+from ..mappings import registry
+from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")  # shipped as package data
 
 TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArguments otherwise)
     "report_to": "none",
@@ -282,15 +282,21 @@ def check_keys(where: str, data: Any, allowed) -> None:
         raise RecipeError(f"unknown field(s) {unknown} in {where}: valid are {shown}")
 
 
+def shipped_recipes() -> list[str]:
+    """Names of the recipes that ship inside the package (``hf-sparsemax compare <name>``)."""
+    return sorted(f.removesuffix(".yaml") for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+
+
 def resolve_path(spec: str) -> str:
-    """A recipe file: a path, or a name in ``./recipes/`` or the repository's ``recipes/`` (``default``)."""
+    """A recipe file: a path, or a name (``default``) in ``./recipes/`` or among the shipped recipes."""
     if os.path.exists(spec):
         return spec
     for folder in ("recipes", RECIPE_DIR):
         for candidate in (os.path.join(folder, spec), os.path.join(folder, spec + ".yaml")):
             if os.path.isfile(candidate):
                 return candidate
-    raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or a name in {RECIPE_DIR}")
+    raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or the name of a shipped recipe "
+                      f"({', '.join(shipped_recipes())})")
 
 
 def apply_override(data: dict[str, Any], text: str) -> None:

@@ -74,7 +74,7 @@ def discard_on_failure(work: str):
 
 
 def locked(folder: str, what: str):
-    """The output folder's lock (:func:`~hf_sparsemax.run_lock.output_lock`), taken by the main process only."""
+    """The output folder's lock (:func:`~hf_sparsemax.app.run_lock.output_lock`), taken by the main process only."""
     return output_lock(folder, what) if is_main_process() else contextlib.nullcontext()
 
 

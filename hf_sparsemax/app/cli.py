@@ -1,13 +1,13 @@
 """The ``hf-sparsemax`` command: run fine-tuning recipes, and check decoding against training.
 
-    hf-sparsemax compare recipes/default.yaml            # 3 variants side by side -> runs/default/report.md
+    hf-sparsemax compare default                         # 3 variants side by side -> runs/default/report.md
     hf-sparsemax train default --variant entmax15 --set training.max_steps=20
     hf-sparsemax evaluate default --variant entmax15     # held-out metrics of runs/default/entmax15
     hf-sparsemax generate default --variant entmax15 --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
 
-A recipe is a YAML file (or the name of one in the repository's recipes/
-folder). Override any field with --set PATH=VALUE (repeatable): PATH is the
+A recipe is a YAML file (or the name of a recipe shipped with the package:
+default, classify). Override any field with --set PATH=VALUE (repeatable): PATH is the
 dotted field (training.max_steps, data.block_size, lora.r, eval.prompts,
 variants.entmax15.loss_options.alpha), VALUE is read as YAML (20, 5e-4, true,
 null, [q_proj, v_proj]). `training` is passed to transformers.TrainingArguments,
@@ -17,7 +17,7 @@ renamed when complete; --resume continues an interrupted run from its last
 checkpoint. One run per output folder at a time (a second is refused at once,
 naming the other's pid). Bad input exits with code 2 and one line saying what
 to fix, before any model loads where it can be checked without one.
-Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.cli train ...
+Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.app.cli train ...
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def load_model(spec: str | None):
 
 
 def decoding_report_command(args) -> int:
-    from .generation import decoding_report
-    from .patch import patch_model
+    from ..generation import decoding_report
+    from ..patch import patch_model
 
-    from .settings import SparseSettings
+    from ..settings import SparseSettings
 
     options = dict(args.loss_option)
     SparseSettings(loss=args.loss, loss_options=options)  # bad names or options fail before the model loads
@@ -89,7 +89,7 @@ RECIPE_COMMANDS = {
 
 def add_recipe_command(commands, name: str) -> None:
     sub = commands.add_parser(name, help=RECIPE_COMMANDS[name], description=RECIPE_COMMANDS[name])
-    sub.add_argument("recipe", help="recipe YAML file, or a name in recipes/ (default, classify)")
+    sub.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (default, classify)")
     sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                      help="override a recipe field, e.g. --set training.max_steps=20 (VALUE is YAML; repeatable)")
     sub.add_argument("--output", help="results folder (default runs/<recipe name>)")
@@ -150,7 +150,7 @@ def summary(text: str, compared: dict | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .mappings import registry
+    from ..mappings import registry
 
     parser = OneLineParser(prog="hf-sparsemax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,7 +9,7 @@ A trained variant is a folder::
 
 Bad input (a missing model or dataset, a model transformers cannot load, a
 ``.gguf`` of an architecture transformers' GGUF loader does not know) raises
-:class:`~hf_sparsemax.recipes.RecipeError` before any folder is written.
+:class:`~hf_sparsemax.app.recipes.RecipeError` before any folder is written.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import metrics
-from .losses import loss_mapping
-from .patch import base_model, compute_loss_func, patch_model, swaps_loss
+from .. import metrics
+from ..losses import loss_mapping
+from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .recipes import Recipe, RecipeError, Variant, one_line
 
 
@@ -276,7 +276,7 @@ def evaluate(trainer) -> dict[str, float]:
 
 def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
     """Matched sampling (the distribution the loss trained, no default top-k) and its consistency report."""
-    from .generation import decoding_report
+    from ..generation import decoding_report
 
     model.eval()
     report = decoding_report(model, tokenizer, recipe.eval.prompts, max_new_tokens=recipe.eval.max_new_tokens,
