@@ -125,14 +125,22 @@ def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[.
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
 
 
-def attention_plan(inner, settings: SparseSettings):
-    """Validate the attention swap (nothing changes): ``(modules, options, heads per module)`` or ``None``."""
+class AttentionPlan(NamedTuple):
+    """A validated attention swap: the attention modules, their options, heads per module (learned alpha)."""
+
+    modules: list[nn.Module]
+    options: Any
+    heads: list[int | None]
+
+
+def attention_plan(inner, settings: SparseSettings) -> AttentionPlan | None:
+    """Validate the attention swap (nothing changes): an :class:`AttentionPlan`, or ``None`` (no swap)."""
     options = settings.attention_options
     if options is None:
         return None
     modules = check_supported(inner)
     heads = [num_heads(module) for module in modules] if options.learn_alpha else [None] * len(modules)
-    return modules, options, heads
+    return AttentionPlan(modules, options, heads)
 
 
 def apply_attention(inner, plan, keep_learned: bool) -> None:
@@ -312,9 +320,9 @@ def patch_model(
         check_fusable(inner)
     # validated: now change the model
     apply_attention(inner, plan, keep_learned=attn is None)
-    if reapply and plan is not None and plan[1].learn_alpha:
+    if reapply and plan is not None and plan.options.learn_alpha:
         load_learned_alpha(inner)
-    if model is not inner and plan is not None and plan[1].learn_alpha:
+    if model is not inner and plan is not None and plan.options.learn_alpha:
         keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
     elif model is not inner:
         release_alpha_from_adapter(model)

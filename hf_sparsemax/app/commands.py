@@ -211,7 +211,7 @@ def generate_command(recipe: Recipe, variant_name: str | None, output: str | Non
     root = output or default_output(recipe)
     folder = os.path.join(root, variant.name)
     with locked(root, f"generate {recipe.name} --variant {variant.name}"):
-        model, tokenizer, trained, _, _ = runner.load_trained(recipe, folder)
+        model, tokenizer, trained = runner.load_trained(recipe, folder)[:3]
         results = runner.sample(model, tokenizer, recipe)
         update_results(folder, results)
     return {"variant": trained.name, "folder": folder, "prompts": recipe.eval.prompts, **results}
@@ -255,7 +255,7 @@ def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: 
                 result = json.load(handle)
             attention = None
             if recipe.task == "causal_lm" and is_main_process():
-                model, _, _, _, _ = runner.load_trained(recipe, vdir)
+                model = runner.load_trained(recipe, vdir).model
                 attention = runner.attention_map(model, tokenizer, recipe)
                 del model
         else:

@@ -18,7 +18,7 @@ import copy
 import json
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -314,8 +314,18 @@ def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str
     })
 
 
-def load_trained(recipe: Recipe, folder: str):
-    """``(model, tokenizer, variant info)`` of a trained variant folder, patched as it was trained."""
+class TrainedVariant(NamedTuple):
+    """A trained variant loaded back: the model patched as it was trained, and what evaluation needs."""
+
+    model: Any
+    tokenizer: Any
+    variant: Variant
+    loss_func: Any  # Trainer's compute_loss_func when the model's head hard-codes its loss, else None
+    info: dict[str, Any]  # the folder's variant.json
+
+
+def load_trained(recipe: Recipe, folder: str) -> TrainedVariant:
+    """A trained variant folder loaded back (:class:`TrainedVariant`), patched as it was trained."""
     info_path = os.path.join(folder, "variant.json")
     if not os.path.isfile(info_path):
         raise RecipeError(f"no trained variant in {folder}: run `hf-sparsemax train` (or compare) first")
@@ -340,7 +350,7 @@ def load_trained(recipe: Recipe, folder: str):
         if not swaps_loss(model, variant.loss):
             custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
     model.eval()
-    return model, tokenizer, variant, custom, info
+    return TrainedVariant(model, tokenizer, variant, custom, info)
 
 
 def fresh_copy(model):
