@@ -20,7 +20,7 @@ import gc
 import torch
 
 import hf_sparsemax as hs
-from hf_sparsemax import assets
+from hf_sparsemax.app import assets
 from common import interleaved_medians, peak_memory_mb
 
 CONTENDERS = {  # name -> (attn_implementation or patch_model attn, attn_options)

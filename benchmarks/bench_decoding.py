@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessorList
 
 import hf_sparsemax as hs
-from hf_sparsemax import assets
+from hf_sparsemax.app import assets
 from common import interleaved_medians
 
 CONTENDERS = {

@@ -12,8 +12,11 @@ from .losses import (
     sparse_softmax_loss,
     sparsemax_loss,
 )
+from .likelihood import perturb_max_loss, taylor_softmax_loss
+from .margin import am_softmax_loss
 from .generation import (
     EntmaxLogitsProcessor,
+    MappingLogitsProcessor,
     SparsemaxLogitsProcessor,
     SparseSoftmaxLogitsProcessor,
     decoding_report,
@@ -21,17 +24,20 @@ from .generation import (
 )
 from .fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
-from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax, taylor_softmax
+from .reload import install_load_hook
+from .mappings import entmax15, entmax_bisect, perturb_max, sparse_softmax, sparsemax, taylor_softmax
 
 __version__ = "0.1.0"
 
-register_attention()  # "sparsemax", "entmax15", "entmax_bisect", "sparse_softmax" become attn_implementation names
+register_attention()  # every attention of the registry ("sparsemax", "entmax15", ...) becomes an attn_implementation name
+install_load_hook()  # from_pretrained restores a saved sparse model (hf_sparsemax.reload)
 
 __all__ = [
     "LearnedAlpha",
     "supported_families",
     "Entmax15Loss",
     "EntmaxLogitsProcessor",
+    "MappingLogitsProcessor",
     "SparsemaxLogitsProcessor",
     "SparseSoftmaxLogitsProcessor",
     "decoding_report",
@@ -49,6 +55,10 @@ __all__ = [
     "entmax_bisect",
     "entmax_bisect_loss",
     "mapping_loss",
+    "am_softmax_loss",
+    "perturb_max",
+    "perturb_max_loss",
+    "taylor_softmax_loss",
     "sparse_softmax",
     "sparse_softmax_loss",
     "sparsemax",

@@ -38,16 +38,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax
-from .mappings.entmax import check_alpha
-from .mappings.sparse_softmax import check_top
+from .mappings import registry
 
-ATTENTION_MAPPINGS = ("sparsemax", "entmax15", "entmax_bisect", "sparse_softmax")
-ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path)
-    "sparsemax": ("chunk_size",),
-    "entmax15": ("chunk_size",),
-    "entmax_bisect": ("alpha", "learn_alpha", "chunk_size"),
-    "sparse_softmax": ("top_k", "chunk_size"),
+ATTENTION_MAPPINGS = registry.names("attention")
+ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha)
+    name: (*registry.REGISTRY[name].attention_options,
+           *(("learn_alpha",) if "alpha" in registry.REGISTRY[name].attention_options else ()), "chunk_size")
+    for name in ATTENTION_MAPPINGS
 }
 OPTIONS_ATTR = "hf_sparsemax_attention"  # plain attribute of an attention module: its AttentionOptions
 ALPHA_ATTR = "hf_sparsemax_alpha"  # submodule of an attention module: its LearnedAlpha (saved with the weights)
@@ -68,41 +65,56 @@ HARMLESS_KWARGS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Validated options of one sparse attention (see ``ATTENTION_OPTIONS`` for which mapping takes which)."""
+    """Validated options of one sparse attention: the mapping's own options plus the attention's.
+
+    ``options`` is the mapping's options object (see :mod:`hf_sparsemax.mappings.registry`),
+    holding only what attention accepts (``ATTENTION_OPTIONS``); ``learn_alpha``
+    (mappings with an ``alpha``) and ``chunk_size`` belong to attention.
+    """
 
     mapping: str
-    alpha: float = 1.5
+    options: typing.Any = None
     learn_alpha: bool = False
-    top_k: int | None = None
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.mapping not in ATTENTION_MAPPINGS:
-            raise ValueError(f"unknown attention {self.mapping!r}: choose one of {list(ATTENTION_MAPPINGS)}")
-        alpha = check_alpha(self.alpha)
-        if not 1 < alpha <= 2:
-            raise ValueError(f"attention alpha must lie in (1, 2], got {self.alpha!r}")
+        entry = registry.attention_entry(self.mapping)
+        if self.options is None:
+            object.__setattr__(self, "options", entry.options())
+        alpha = getattr(self.options, "alpha", None)
+        if alpha is not None and (isinstance(alpha, torch.Tensor) or not 1 < alpha <= 2):
+            raise ValueError(f"attention alpha must be a float in (1, 2], got {alpha!r}")
         if not isinstance(self.learn_alpha, bool):
             raise ValueError(f"learn_alpha must be True or False, got {self.learn_alpha!r}")
+        if self.learn_alpha and alpha is None:
+            raise ValueError(f"learn_alpha needs a mapping with an alpha (entmax_bisect), not {self.mapping!r}")
         if self.learn_alpha and alpha == 2:
             raise ValueError("learn_alpha starts from an alpha in (1, 2): alpha = 1 + sigmoid(a) cannot start at 2")
-        check_top(self.top_k, None)
         if self.chunk_size is not None and (
             isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be a positive integer (queries per chunk), got {self.chunk_size!r}")
-        object.__setattr__(self, "alpha", alpha)
+
+    @property
+    def alpha(self) -> float:
+        """The starting / fixed alpha of an entmax attention (1.5 for mappings without one)."""
+        return getattr(self.options, "alpha", 1.5)
+
+    @property
+    def top_k(self) -> int | None:
+        return getattr(self.options, "top_k", None)
 
     @classmethod
     def from_settings(cls, mapping: str, options: dict[str, typing.Any]) -> "AttentionOptions":
-        if mapping not in ATTENTION_MAPPINGS:
-            raise ValueError(f"unknown attention {mapping!r}: choose one of {['softmax', *ATTENTION_MAPPINGS]}")
+        entry = registry.attention_entry(mapping)
+        options = dict(options)
         unknown = sorted(set(options) - set(ATTENTION_OPTIONS[mapping]))
         if unknown:
             raise ValueError(
                 f"attn_options {unknown} are not options of attn={mapping!r}; it takes {list(ATTENTION_OPTIONS[mapping])}"
             )
-        return cls(mapping=mapping, **options)
+        own = {k: options.pop(k) for k in list(options) if k not in ("learn_alpha", "chunk_size")}
+        return cls(mapping=mapping, options=entry.options(**own), **options)
 
 
 class LearnedAlpha(nn.Module):
@@ -121,16 +133,11 @@ class LearnedAlpha(nn.Module):
 def attention_probabilities(module: nn.Module, scores: torch.Tensor, mapping: str) -> torch.Tensor:
     """``mapping(scores)`` along the keys, with the module's options (defaults when it has none)."""
     options = getattr(module, OPTIONS_ATTR, None)
-    if mapping == "sparsemax":
-        return sparsemax(scores, dim=-1)
-    if mapping == "entmax15":
-        return entmax15(scores, dim=-1)
-    if mapping == "sparse_softmax":
-        return sparse_softmax(scores, dim=-1, top_k=options.top_k if options else None)
+    values = registry.option_values(options.options) if options is not None and options.mapping == mapping else {}
     learned = getattr(module, ALPHA_ATTR, None)
     if learned is not None:
-        return entmax_bisect(scores, alpha=learned().to(scores.device), dim=-1)
-    return entmax_bisect(scores, alpha=options.alpha if options else 1.5, dim=-1)
+        values["alpha"] = learned().to(scores.device)
+    return registry.REGISTRY[mapping].function(scores, dim=-1, **values)
 
 
 def check_kwargs(kwargs: dict[str, typing.Any], mapping: str) -> None:

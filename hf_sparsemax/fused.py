@@ -1,13 +1,16 @@
 """A sparse loss straight from the hidden states: the output head and the loss, chunk by chunk.
 
 For hidden states ``h`` (``[N, H]``), the head weight ``W`` (``[V, H]``), an
-optional bias ``b`` and optional final soft-capping (Gemma),
+optional bias ``b``, an optional logit scale ``s`` (Cohere, Granite, Falcon-H1)
+and optional final soft-capping (Gemma),
 
-    x = h W^T + b,   z = c tanh(x / c)  (z = x without capping),   L = sum_n loss(z_n, t_n),
+    x = h W^T + b,   z = c tanh(s x / c)  (z = s x without capping),   L = sum_n loss(z_n, t_n),
 
 with ``dL/dz_n = p_n - e_{t_n} =: g_n`` for every sparse loss (``p`` the loss's
-mapping of ``z``). Capping multiplies by ``dz/dx = 1 - (z/c)**2``, which keeps
-``g`` exactly as sparse. So with ``S`` the support of ``p`` plus the target,
+mapping of ``z``). The chain rule multiplies by ``dz/dx = s (1 - (z/c)**2)``,
+which keeps ``g`` exactly as sparse (which scale and cap a model family uses
+is data: :mod:`hf_sparsemax.fused_heads`). So with ``S`` the support of ``p``
+plus the target,
 
     dh_n = sum_{i in S_n} g_ni W_i,   dW_i = sum_n g_ni h_n,   db_i = sum_n g_ni:
 
@@ -40,11 +43,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .losses import LOSS_FUNCTIONS, fenchel_young_items, make_loss
+from .losses import fenchel_young_items, make_loss
+from .mappings import registry
 from .mappings._core import masked_below, work_dtype
-from .mappings.entmax import check_alpha, entmax15_support, entmax_bisect_support, precise_in_float32
-from .mappings.sparse_softmax import check_top, sparse_softmax_rows, sparse_softmax_support
-from .mappings.sparsemax import sparsemax_support
+from .mappings.entmax import precise_in_float32
 
 CHUNK_TOKENS = 1024  # tokens per chunk of logits: [1024, 49152] float32 is 192 MiB
 DENSE_FRACTION = 32  # a chunk whose largest support exceeds V / DENSE_FRACTION gets a dense gradient
@@ -62,39 +64,31 @@ def sparse_softmax_items(p: torch.Tensor, index: torch.Tensor | None, rows: torc
 
 
 def support_function(name: str, options: dict) -> SupportFn:
-    """The per-chunk ``support_fn`` of a loss, from the mappings' support routines."""
-    if name == "sparse_softmax":
-        top_k, top_p = check_top(options.get("top_k"), options.get("top_p"))
+    """The per-chunk ``support_fn`` of a loss, from its registry entry's support routine and loss rule."""
+    entry, opts, _ = registry.loss_options(name, options)
+    if not entry.fused:
+        raise entry.refuse("fused")
+    if entry.loss_rule == "kept_logsumexp":  # sparse softmax: log-partition over the kept set
 
-        def sparse_softmax_fn(rows, t, masked):
-            if top_k is not None and top_k < rows.shape[-1]:
-                index, p = sparse_softmax_support(rows, top_k, top_p, masked)
+        def kept_fn(rows, t, masked):
+            if opts.top_k is not None and opts.top_k < rows.shape[-1]:
+                index, p = entry.support(rows, masked, opts)
             else:  # top_p alone or plain softmax: the kept set has no size bound
-                index, p = None, sparse_softmax_rows(rows, None, top_p, masked)
+                index, p = None, entry.rows(rows, masked, opts)
             return index, p, sparse_softmax_items(p, index, rows, t)
 
-        return sparse_softmax_fn
-    if name in ("sparsemax", "entmax15"):
-        support, alpha = (sparsemax_support, 2.0) if name == "sparsemax" else (entmax15_support, 1.5)
+        return kept_fn
+    alpha = entry.fenchel_young_alpha(opts)
+    if isinstance(alpha, torch.Tensor):
+        raise ValueError("the fused head loss takes a float alpha, not a tensor (a learned alpha needs the "
+                         f"unfused {name}_loss)")
 
-        def threshold_fn(rows, t, masked):
-            index, p, tau = support(rows, masked)
-            return index, p, fenchel_young_items(p, tau, alpha, rows, t)
+    def threshold_fn(rows, t, masked):  # Fenchel-Young: threshold, support and loss from one solve
+        work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
+        index, p, tau = entry.support(work, masked, opts)
+        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
 
-        return threshold_fn
-    if name == "entmax_bisect":
-        alpha = check_alpha(options.get("alpha", 1.5))
-        if isinstance(alpha, torch.Tensor):
-            raise ValueError("the fused head loss takes a float alpha, not a tensor (a learned alpha needs the "
-                             "unfused entmax_bisect_loss)")
-
-        def bisect_fn(rows, t, masked):
-            work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
-            index, p, tau = entmax_bisect_support(work, alpha, masked)
-            return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
-
-        return bisect_fn
-    raise ValueError(f"unknown loss {name!r}: choose one of {list(LOSS_FUNCTIONS)}")
+    return threshold_fn
 
 
 def compact(p: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -110,8 +104,9 @@ class SparseHeadLossFunction(torch.autograd.Function):
     """Summed loss of ``support_fn`` over the tokens of ``hidden`` (all counted); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, support_fn, softcap, chunk_size):
+    def forward(ctx, hidden, weight, bias, target, support_fn, softcap, chunk_size, scale):
         n, vocab = hidden.shape[0], weight.shape[0]
+        ctx.bias_dtype = None if bias is None else bias.dtype
         dtype = work_dtype(hidden.dtype)
         masked = masked_below(hidden.dtype)
         needs_grad = any(ctx.needs_input_grad[:3])
@@ -122,6 +117,8 @@ class SparseHeadLossFunction(torch.autograd.Function):
             h, t = hidden[start : start + chunk_size], target[start : start + chunk_size]
             logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
             z = logits.to(dtype)
+            if scale is not None:
+                z = z.mul_(scale)
             if softcap is not None:
                 z = z.div_(softcap).tanh_().mul_(softcap)
             index, p, items = support_fn(z, t, masked)
@@ -131,13 +128,15 @@ class SparseHeadLossFunction(torch.autograd.Function):
             if index is None:
                 found = compact(p, vocab // DENSE_FRACTION)
                 if found is None:
-                    dense = dense_gradient(p, z, h, t, weight, softcap, start, n, dense)
+                    dense = dense_gradient(p, z, h, t, weight, softcap, scale, start, n, dense)
                     continue
                 index, p = found
             index = torch.cat([index, t.unsqueeze(-1)], -1)
             g = torch.cat([p, p.new_full((len(t), 1), -1.0)], -1)
             if softcap is not None:  # dz/dx = 1 - (z / c)**2 on the support and the target
                 g = g * (1 - (z.gather(-1, index) / softcap).square())
+            if scale is not None:  # dz/dx = s
+                g = g * scale
             entry_rows.append(torch.arange(start, start + len(t), device=h.device).repeat_interleave(index.shape[1]))
             cols.append(index.reshape(-1))
             vals.append(g.reshape(-1))
@@ -161,8 +160,8 @@ class SparseHeadLossFunction(torch.autograd.Function):
             dw = ((dw + dense[1]) if dense else dw).mul_(grad_total).to(weight.dtype)
         if need_b:
             db = torch.zeros(vocab, dtype=dtype, device=vals.device).index_add_(0, cols, vals)
-            db = ((db + dense[2]) if dense else db).mul_(grad_total).to(weight.dtype)
-        return dh, dw, db, None, None, None, None
+            db = ((db + dense[2]) if dense else db).mul_(grad_total).to(ctx.bias_dtype)
+        return dh, dw, db, None, None, None, None, None
 
 
 def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
@@ -177,11 +176,13 @@ def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shap
         return torch.sparse_csr_tensor(crow, cols, vals, shape, check_invariants=False)
 
 
-def dense_gradient(p, z, h, t, weight, softcap, start, n, dense):
+def dense_gradient(p, z, h, t, weight, softcap, scale, start, n, dense):
     """Add one chunk's dense ``g = (p - e_t) * dz/dx`` to ``(dh, dW, db)`` (created on first use)."""
     g = p.scatter_add(-1, t.unsqueeze(-1), p.new_full((len(t), 1), -1.0))
     if softcap is not None:
         g.mul_(1 - (z / softcap).square())
+    if scale is not None:
+        g.mul_(scale)
     if dense is None:
         dense = (g.new_zeros(n, h.shape[1]), g.new_zeros(weight.shape), g.new_zeros(weight.shape[0]))
     dh, dw, db = dense
@@ -191,7 +192,8 @@ def dense_gradient(p, z, h, t, weight, softcap, start, n, dense):
     return dense
 
 
-def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size) -> None:
+def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size,
+                    logit_scale=None) -> None:
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError("hidden must be a floating-point tensor of shape [..., hidden_size]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -206,6 +208,9 @@ def check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_
         raise ValueError(f"bias must be None or have shape [{weight.shape[0]}]")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0):
         raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
+    if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real)
+                                    or not 0 < logit_scale < float("inf")):
+        raise ValueError(f"logit_scale must be None or a positive finite float, got {logit_scale!r}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' for the fused head loss, got {reduction!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -225,16 +230,19 @@ def fused_head_loss(
     reduction: str = "mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    logit_scale: float | None = None,
     **loss_options,
 ) -> torch.Tensor:
-    """``loss(softcap(hidden @ weight.T + bias), labels)`` without the ``[tokens, vocab]`` logits, sparse backward.
+    """``loss(softcap(logit_scale * (hidden @ weight.T + bias)), labels)`` without the ``[tokens, vocab]`` logits.
 
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]`` (tied or not), ``labels``
     ``[...]`` aligned with ``hidden`` (a causal LM shifts them first). ``loss``
     is ``"sparse_softmax"`` (``top_k``, ``top_p``), ``"sparsemax"``,
     ``"entmax15"`` or ``"entmax_bisect"`` (a float ``alpha``); ``softcap`` is
-    Gemma's final ``c * tanh(x / c)``. Tokens labelled ``ignore_index`` are
-    skipped. Returns the sum over counted tokens divided by
+    Gemma's final ``c * tanh(x / c)``, applied after the multiplier
+    ``logit_scale`` (Cohere's ``logit_scale``, ``1 / logits_scaling`` for
+    Granite; see :mod:`hf_sparsemax.fused_heads`). Tokens labelled
+    ``ignore_index`` are skipped. Returns the sum over counted tokens divided by
     ``num_items_in_batch`` when given (Trainer's exact gradient accumulation),
     else the mean (``reduction="mean"``, 0 when none counts) or the sum.
     ``chunk_size`` tokens of logits are live at a time (default 1024).
@@ -243,7 +251,7 @@ def fused_head_loss(
     if "fused" in loss_options:
         raise ValueError("fused is an option of patch_model's loss_options, not of fused_head_loss")
     make_loss(loss, **loss_options)  # validates the name and options
-    check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size)
+    check_head_args(hidden, weight, labels, bias, softcap, reduction, num_items_in_batch, chunk_size, logit_scale)
     support_fn = support_function(loss, loss_options)
     flat_labels = labels.reshape(-1).to(hidden.device)
     kept = (flat_labels != ignore_index).nonzero().squeeze(1)
@@ -253,7 +261,8 @@ def fused_head_loss(
                          f"ignore_index={ignore_index}")
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
     total = SparseHeadLossFunction.apply(tokens, weight, bias, target, support_fn,
-                                         None if softcap is None else float(softcap), chunk_size or CHUNK_TOKENS)
+                                         None if softcap is None else float(softcap), chunk_size or CHUNK_TOKENS,
+                                         None if logit_scale is None else float(logit_scale))
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
@@ -265,17 +274,21 @@ class FusedHeadLoss(nn.Module):
     """Module form of :func:`fused_head_loss`: ``forward(hidden, weight, labels, bias=None, num_items_in_batch=None)``."""
 
     def __init__(self, loss: str = "sparse_softmax", softcap: float | None = None, ignore_index: int = -100,
-                 reduction: str = "mean", chunk_size: int | None = None, **loss_options):
+                 reduction: str = "mean", chunk_size: int | None = None, logit_scale: float | None = None,
+                 **loss_options):
         super().__init__()
         make_loss(loss, **loss_options)
         support_function(loss, loss_options)
         self.loss, self.softcap, self.ignore_index = loss, softcap, ignore_index
         self.reduction, self.chunk_size, self.loss_options = reduction, chunk_size, loss_options
+        self.logit_scale = logit_scale
 
     def forward(self, hidden, weight, labels, bias=None, num_items_in_batch=None) -> torch.Tensor:
         return fused_head_loss(hidden, weight, labels, self.loss, bias, self.softcap, self.ignore_index,
-                               self.reduction, num_items_in_batch, self.chunk_size, **self.loss_options)
+                               self.reduction, num_items_in_batch, self.chunk_size, self.logit_scale,
+                               **self.loss_options)
 
     def extra_repr(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.loss_options.items())
-        return f"loss={self.loss!r}, softcap={self.softcap}, chunk_size={self.chunk_size}{options}"
+        scale = "" if self.logit_scale is None else f", logit_scale={self.logit_scale}"
+        return f"loss={self.loss!r}, softcap={self.softcap}{scale}, chunk_size={self.chunk_size}{options}"

@@ -19,16 +19,28 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ._model import base_model, remove_instance_method, set_instance_method
 from .losses import loss_mapping
+from .mappings import registry
 from .settings import SparseSettings
 
 
-class _MappingLogitsProcessor(LogitsProcessor):
+class MappingLogitsProcessor(LogitsProcessor):
+    """Log-probabilities of the distribution a registered loss trains, ``mapping(scores / T)``.
+
+    ``MappingLogitsProcessor("taylor_softmax", order=4)``; any name of
+    ``hf_sparsemax.mappings.registry.names("processor")``.
+    """
+
     loss_name = ""
 
-    def __init__(self, temperature: float = 1.0, **options):
+    def __init__(self, loss: str | None = None, temperature: float = 1.0, **options):
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
             raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        self.loss_name = loss or self.loss_name
+        entry = registry.get(self.loss_name)
+        if not entry.processor:
+            raise entry.refuse("processor")
         self.temperature = float(temperature)
         self.options = options
         self.mapping = loss_mapping(self.loss_name, **options)  # validates the options
@@ -41,7 +53,11 @@ class _MappingLogitsProcessor(LogitsProcessor):
 
     def __repr__(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options.items())
-        return f"{type(self).__name__}(temperature={self.temperature}{options})"
+        name = "" if type(self) in NAMED_PROCESSORS.values() else f"{self.loss_name!r}, "
+        return f"{type(self).__name__}({name}temperature={self.temperature}{options})"
+
+
+_MappingLogitsProcessor = MappingLogitsProcessor  # the former private name
 
 
 class SparseSoftmaxLogitsProcessor(_MappingLogitsProcessor):
@@ -50,13 +66,16 @@ class SparseSoftmaxLogitsProcessor(_MappingLogitsProcessor):
     loss_name = "sparse_softmax"
 
     def __init__(self, top_k: int | None = None, top_p: float | None = None, temperature: float = 1.0):
-        super().__init__(temperature, top_k=top_k, top_p=top_p)
+        super().__init__(None, temperature, top_k=top_k, top_p=top_p)
 
 
 class SparsemaxLogitsProcessor(_MappingLogitsProcessor):
     """Log-probabilities of ``sparsemax(scores / T)``, with its full support."""
 
     loss_name = "sparsemax"
+
+    def __init__(self, temperature: float = 1.0):
+        super().__init__(None, temperature)
 
 
 class EntmaxLogitsProcessor(_MappingLogitsProcessor):
@@ -65,25 +84,32 @@ class EntmaxLogitsProcessor(_MappingLogitsProcessor):
     loss_name = "entmax_bisect"
 
     def __init__(self, alpha: float = 1.5, temperature: float = 1.0):
-        super().__init__(temperature, alpha=alpha)
+        super().__init__(None, temperature, alpha=alpha)
         if alpha == 1.5:
             self.mapping = loss_mapping("entmax15")
+
+
+NAMED_PROCESSORS = {  # the loss names with a processor class of their own (same distribution as the generic one)
+    "sparse_softmax": SparseSoftmaxLogitsProcessor,
+    "sparsemax": SparsemaxLogitsProcessor,
+    "entmax_bisect": EntmaxLogitsProcessor,
+}
 
 
 def processor_for(loss: str | None, options: dict[str, Any], temperature: float = 1.0) -> LogitsProcessor | None:
     """The processor sampling from what ``loss`` trains (None for cross-entropy)."""
     if loss in (None, "cross_entropy"):
         return None
-    if loss == "sparse_softmax":
-        return SparseSoftmaxLogitsProcessor(options.get("top_k"), options.get("top_p"), temperature)
-    if loss == "sparsemax":
-        return SparsemaxLogitsProcessor(temperature)
-    return EntmaxLogitsProcessor(options.get("alpha", 1.5) if loss == "entmax_bisect" else 1.5, temperature)
+    options = {k: v for k, v in options.items() if k != "fused"}
+    if loss == "entmax15":
+        return EntmaxLogitsProcessor(1.5, temperature)
+    if loss in NAMED_PROCESSORS:
+        return NAMED_PROCESSORS[loss](temperature=temperature, **options)
+    return MappingLogitsProcessor(loss, temperature, **options)
 
 
 def logits_processors(model, temperature: float = 1.0) -> LogitsProcessorList:
     """The ``LogitsProcessorList`` matching the model's patched loss (empty for cross-entropy)."""
-    from .patch import base_model
 
     settings = SparseSettings.from_config(base_model(model).config) or SparseSettings()
     processor = processor_for(settings.loss, settings.loss_options, temperature)
@@ -109,18 +135,6 @@ def matched_generate_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
     user_types = {type(p) for p in user}
     kwargs["logits_processor"] = LogitsProcessorList([*user, *(p for p in matched if type(p) not in user_types)])
     return kwargs
-
-
-def set_instance_method(model, name: str, method, tag: str) -> None:
-    """Shadow ``type(model).name`` by ``method`` on this instance only, marked ``tag`` for removal."""
-    setattr(method, tag, True)
-    setattr(model, name, method)
-
-
-def remove_instance_method(model, name: str, tag: str) -> None:
-    """Undo :func:`set_instance_method` (the class's method shows through again)."""
-    if getattr(vars(model).get(name), tag, False):
-        delattr(model, name)
 
 
 def install_matched_generate(model) -> None:
@@ -159,7 +173,6 @@ def decoding_report(
     whether the sampled token had probability 0 under it, and the training
     mass outside the decoder's support. A matched model gives 0 and 0.
     """
-    from .patch import base_model
 
     inner = base_model(model)
     if loss is None:

@@ -24,6 +24,7 @@ synchronises with the device except target validation on CPU tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -202,13 +203,19 @@ def entmax_bisect_loss(
 
 
 def mapping_loss(
-    logits, target, mapping: Callable[[torch.Tensor], torch.Tensor], ignore_index: int = -100, reduction: str = "mean"
+    logits, target, mapping: str | Callable[[torch.Tensor], torch.Tensor], ignore_index: int = -100,
+    reduction: str = "mean", **options
 ) -> torch.Tensor:
     """``(stop_gradient(p) - e_t) . x`` with ``p = mapping(x)`` along the last dim: gradient ``p - e_t``.
 
+    ``mapping`` is a callable or a registered name (``"sparsemax"``,
+    ``"taylor_softmax"``, ...), whose ``options`` may be given as keywords.
     A training loss for any mapping; the value is not comparable across
     mappings (it can be negative), so log a quality metric beside it.
     """
+    from .mappings.registry import mapping_function
+
+    mapping = mapping_function(mapping, **options)
 
     def items_fn(rows, t, masked):
         with torch.no_grad():
@@ -273,43 +280,31 @@ class EntmaxBisectLoss(_LossModule):
         return entmax_bisect_loss(logits, target, self.alpha, self.ignore_index, self.reduction)
 
 
-# name -> (functional loss, its options); the single table patch_model, compute_loss_func and the CLI read
-LOSS_FUNCTIONS = {
-    "sparse_softmax": sparse_softmax_loss,
-    "sparsemax": sparsemax_loss,
-    "entmax15": entmax15_loss,
-    "entmax_bisect": entmax_bisect_loss,
-}
-# "fused" (every loss): patch_model computes a causal LM's loss from its hidden states (hf_sparsemax.fused)
-LOSS_OPTIONS = {
-    "sparse_softmax": ("top_k", "top_p", "fused"),
-    "sparsemax": ("fused",),
-    "entmax15": ("fused",),
-    "entmax_bisect": ("alpha", "fused"),
-}
+def __getattr__(name: str):
+    """``LOSS_FUNCTIONS`` / ``LOSS_OPTIONS`` (name -> loss / option names), read from the registry of mappings."""
+    from .mappings import registry
+
+    if name == "LOSS_FUNCTIONS":
+        return {n: registry.REGISTRY[n].loss for n in registry.names("loss")}
+    if name == "LOSS_OPTIONS":
+        return {n: (*(f.name for f in dataclasses.fields(registry.REGISTRY[n].options)), "fused")
+                for n in registry.names("loss")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_loss(name: str, **options) -> Callable[..., torch.Tensor]:
-    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a loss name and its options.
+    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a registered loss name and its options.
 
     The option ``fused`` is validated here and otherwise ignored: it tells
     :func:`~hf_sparsemax.patch_model` where to compute the loss, not what it is.
     """
-    if name not in LOSS_FUNCTIONS:
-        raise ValueError(f"unknown loss {name!r}: choose one of {list(LOSS_FUNCTIONS)}")
-    unknown = sorted(set(options) - set(LOSS_OPTIONS[name]))
-    if unknown:
-        raise ValueError(f"{unknown} are not options of loss {name!r}; it takes {list(LOSS_OPTIONS[name]) or 'none'}")
-    if not isinstance(options.pop("fused", False), bool):
-        raise ValueError("loss option fused must be True or False")
-    if name == "sparse_softmax":
-        check_top(options.get("top_k"), options.get("top_p"))
-    if name == "entmax_bisect":
-        check_alpha(options.get("alpha", 1.5))
-    fn = LOSS_FUNCTIONS[name]
+    from .mappings import registry
+
+    entry, parsed, _ = registry.loss_options(name, options)
+    fn, values = entry.loss, registry.option_values(parsed)
 
     def loss(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-        return fn(logits, target, ignore_index=ignore_index, reduction=reduction, **options)
+        return fn(logits, target, ignore_index=ignore_index, reduction=reduction, **values)
 
     loss.__name__ = f"{name}_loss"
     return loss
@@ -320,13 +315,10 @@ def loss_mapping(name: str, **options) -> Callable[[torch.Tensor], torch.Tensor]
 
     Evaluation metrics and decoding use it, so they see what training saw.
     """
-    from .mappings import entmax15, entmax_bisect, sparse_softmax, sparsemax
+    from .mappings import registry
+    from .mappings import sparse_softmax
 
     if name == "cross_entropy":
         return lambda x: sparse_softmax(x)
-    make_loss(name, **options)  # validates
-    if name == "sparse_softmax":
-        return lambda x: sparse_softmax(x, top_k=options.get("top_k"), top_p=options.get("top_p"))
-    if name == "entmax_bisect":
-        return lambda x: entmax_bisect(x, options.get("alpha", 1.5))
-    return {"sparsemax": sparsemax, "entmax15": entmax15}[name]
+    entry, parsed, _ = registry.loss_options(name, options)
+    return entry.distribution(parsed)

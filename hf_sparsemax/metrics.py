@@ -61,15 +61,19 @@ def summarize(target_prob, sq_norm, hit, support, vocab_size: int, epsilon: floa
     }
 
 
-def trainer_metrics(mapping: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, causal: bool = True,
+def trainer_metrics(mapping: str | Callable[[torch.Tensor], torch.Tensor], vocab_size: int, causal: bool = True,
                     epsilon: float = 1e-6):
     """``(preprocess_logits_for_metrics, compute_metrics)`` for ``Trainer``.
 
-    ``mapping`` turns logits into the model's distribution (use
-    :func:`hf_sparsemax.losses.loss_mapping` for its patched loss). The first
+    ``mapping`` turns logits into the model's distribution: a callable or a
+    registered name (use :func:`hf_sparsemax.losses.loss_mapping` for a
+    patched loss with its options). The first
     reduces each batch's logits to 4 numbers per token; the second aggregates
     over the evaluation set, ignoring labels equal to -100.
     """
+    from .mappings.registry import mapping_function
+
+    mapping = mapping_function(mapping)
 
     def preprocess(logits, labels):
         logits = logits[0] if isinstance(logits, tuple) else logits

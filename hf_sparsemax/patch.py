@@ -17,51 +17,23 @@ from __future__ import annotations
 import glob
 import inspect
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from ._model import TASKS, base_model, model_task, remove_instance_method, routes_loss_function, set_instance_method
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .fused import fused_head_loss
-from .generation import (
-    install_matched_generate,
-    remove_instance_method,
-    remove_matched_generate,
-    set_instance_method,
-)
+from .fused_heads import head_transform, head_values, router_refusal
+from .generation import install_matched_generate, remove_matched_generate
 from .losses import make_loss
+from .margin import head_linears, install_cosine_head, remove_cosine_head
+from .mappings import registry
+from .reload import clear as clear_load_marks
+from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
 from .trl_support import install_token_outputs, remove_token_outputs
-
-TASKS = {  # transformers loss_type -> task of the head
-    "ForCausalLM": "causal_lm",
-    "ForConditionalGeneration": "causal_lm",
-    "ForSequenceClassification": "sequence_classification",
-    "ForTokenClassification": "token_classification",
-    "ForMaskedLM": "token_classification",
-}
-
-
-def base_model(model) -> nn.Module:
-    """The transformers model inside a peft ``PeftModel`` (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    inner = get_base() if callable(get_base) else model
-    if not hasattr(inner, "config") or not hasattr(inner, "loss_type"):
-        raise ValueError(f"expected a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}")
-    return inner
-
-
-def model_task(model) -> str:
-    task = TASKS.get(getattr(model, "loss_type", None))
-    if task is None or not routes_loss_function(model):
-        raise ValueError(
-            f"{type(model).__name__} (loss_type={getattr(model, 'loss_type', None)!r}) does not route its loss "
-            f"through model.loss_function for a supported head ({sorted(set(TASKS.values()))}); for such models "
-            "pass hf_sparsemax.compute_loss_func(...) to Trainer(compute_loss_func=...)"
-        )
-    return task
-
 
 def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: torch.Tensor) -> torch.Tensor:
     """``sum / num_items_in_batch`` (Trainer's exact gradient accumulation) or the mean over counted items."""
@@ -72,10 +44,43 @@ def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: tor
     return loss_sum / num_items_in_batch
 
 
-def routes_loss_function(model) -> bool:
-    """Whether the model's forward calls ``self.loss_function`` (else it hard-codes its loss)."""
-    forward = inspect.unwrap(type(model).forward)
-    return "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
+def head_classes(model) -> int | None:
+    """Number of classes the head scores: the vocabulary of an LM head, else ``num_labels``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear):
+        return head.out_features
+    return getattr(model.config, "num_labels", None)
+
+
+def swaps_loss(model, loss: str | None) -> bool:
+    """Whether ``patch_model(model, loss=loss)`` can swap the loss (else use :func:`compute_loss_func`)."""
+    if loss in (None, "cross_entropy"):
+        return True
+    if registry.get(loss).head == "cosine":
+        return True  # the cosine head swap also takes over the loss of heads that hard-code it
+    return routes_loss_function(base_model(model))
+
+
+class LossPlan(NamedTuple):
+    """A validated loss swap: the head's task, its ``loss_function`` and the head it needs (``"cosine"`` or None)."""
+
+    task: str
+    loss_function: Callable
+    head: str | None
+
+
+def loss_plan(inner, settings: SparseSettings) -> LossPlan | None:
+    """Validate the loss swap (nothing changes); ``None`` for the model's own loss."""
+    if settings.loss in (None, "cross_entropy"):
+        return None
+    entry = registry.get(settings.loss)
+    if entry.head == "cosine":
+        head_linears(inner)  # refuses families whose head is not known
+        task = "sequence_classification"
+    else:
+        task = model_task(inner)
+    registry.check_head(entry, task, head_classes(inner))
+    return LossPlan(task, task_loss(task, make_loss(settings.loss, **settings.loss_options)), entry.head)
 
 
 def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[..., torch.Tensor]:
@@ -121,14 +126,22 @@ def task_loss(task: str, loss: Callable, ignore_index: int = -100) -> Callable[.
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
 
 
-def attention_plan(inner, settings: SparseSettings):
-    """Validate the attention swap (nothing changes): ``(modules, options, heads per module)`` or ``None``."""
+class AttentionPlan(NamedTuple):
+    """A validated attention swap: the attention modules, their options, heads per module (learned alpha)."""
+
+    modules: list[nn.Module]
+    options: Any
+    heads: list[int | None]
+
+
+def attention_plan(inner, settings: SparseSettings) -> AttentionPlan | None:
+    """Validate the attention swap (nothing changes): an :class:`AttentionPlan`, or ``None`` (no swap)."""
     options = settings.attention_options
     if options is None:
         return None
     modules = check_supported(inner)
     heads = [num_heads(module) for module in modules] if options.learn_alpha else [None] * len(modules)
-    return modules, options, heads
+    return AttentionPlan(modules, options, heads)
 
 
 def apply_attention(inner, plan, keep_learned: bool) -> None:
@@ -178,14 +191,16 @@ def load_learned_alpha(inner) -> int:
             for key in handle.keys():
                 owner = owners.get(key[: -len(suffix)]) if key.endswith(suffix) else None
                 if owner is not None:
+                    learned = owner._modules[ALPHA_ATTR]
+                    learned = getattr(learned, "original_module", learned)  # peft's wrapper: the base's own alpha
                     with torch.no_grad():
-                        owner._modules[ALPHA_ATTR].pre_alpha.copy_(handle.get_tensor(key))
+                        learned.pre_alpha.copy_(handle.get_tensor(key))
                     loaded += 1
     return loaded
 
 
 def check_fusable(model) -> None:
-    """A causal LM whose forward is ``base model -> lm_head`` (transformers' ``logits_to_keep`` layout)."""
+    """A causal LM whose forward is ``base model -> lm_head -> a known head transform`` (see :mod:`.fused_heads`)."""
     params = inspect.signature(type(model).forward).parameters
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (model_task(model) != "causal_lm" or "logits_to_keep" not in params or "labels" not in params
@@ -194,6 +209,7 @@ def check_fusable(model) -> None:
             f"loss_options fused=True needs a causal LM whose forward runs its base model then an nn.Linear lm_head "
             f"(with logits_to_keep, as LlamaForCausalLM); {type(model).__name__} is not one: drop fused"
         )
+    head_transform(model)
 
 
 def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> None:
@@ -202,7 +218,10 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
     In training mode with ``labels``, the forward runs the base model, shifts
     the labels as transformers does and returns
     ``CausalLMOutputWithPast(loss=fused_head_loss(...), logits=None)``: the
-    ``[tokens, vocab]`` logits are never formed, so none are returned. In eval
+    ``[tokens, vocab]`` logits are never formed, so none are returned. The
+    family's head transform (logit scale, soft-capping) comes from
+    :data:`~hf_sparsemax.fused_heads.HEAD_TRANSFORMS`, its values are read at
+    each call. In eval
     mode, without labels (``generate``), or when the head is not a plain
     ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) the original forward
     runs unchanged, with its (unfused, equal) patched loss.
@@ -212,6 +231,7 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
     original = type(model).forward
     signature = inspect.signature(original)
     options = {k: v for k, v in loss_options.items() if k != "fused"}
+    transform = head_transform(model)
 
     def forward(*args, **kwargs):
         arguments = signature.bind(model, *args, **kwargs).arguments
@@ -220,6 +240,11 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
         if labels is None or not model.training or type(head) is not nn.Linear:
             return original(model, *args, **kwargs)
         inputs = {k: v for k, v in arguments.items() if k not in ("self", "labels", "logits_to_keep", "kwargs")}
+        router = inputs.get("output_router_logits")
+        if transform.router_aux_loss and (getattr(model.config, "output_router_logits", False) if router is None
+                                          else router):
+            raise router_refusal(model)  # the forward would add a load-balancing loss the fused path leaves out
+        scale, softcap = head_values(model, transform)
         extra = dict(arguments.get("kwargs", {}))
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         shift_labels = extra.pop("shift_labels", None)
@@ -229,8 +254,7 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
         hidden = outputs[0]
         loss_value = fused_head_loss(
             hidden, head.weight, shift_labels.to(hidden.device), loss, bias=head.bias,
-            softcap=getattr(model.config, "final_logit_softcapping", None),
-            num_items_in_batch=num_items_in_batch, **options,
+            softcap=softcap, logit_scale=scale, num_items_in_batch=num_items_in_batch, **options,
         )
         return CausalLMOutputWithPast(loss=loss_value, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -261,12 +285,17 @@ def patch_model(
     chunk, recomputed in backward: bounded memory on long sequences).
     ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
-    ``"entmax_bisect"`` (``alpha``); every sparse loss also takes ``fused``:
+    ``"entmax_bisect"`` (``alpha``), ``"taylor_softmax"`` (``order``),
+    ``"perturb_max"`` (``noise``, ``points``; label sets up to 4096) or
+    ``"am_softmax"`` (``margin``, ``scale``; a sequence-classification head
+    becomes a cosine head, undone by :func:`unpatch_model`); the sparse losses also take ``fused``:
     ``True`` makes a causal LM in training mode compute the loss from its
     hidden states with :func:`~hf_sparsemax.fused_head_loss` (no
     ``[tokens, vocab]`` logits; ``outputs.logits`` is then None). With no ``attn`` / ``loss`` the settings
     saved in ``model.config`` are re-applied. Settings are stored in
-    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``. A causal
+    ``model.config.hf_sparsemax`` and saved by ``save_pretrained``; with
+    hf_sparsemax imported, ``from_pretrained`` of that folder gives the patched
+    model back (:mod:`hf_sparsemax.reload`). A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
     loss trains (see :mod:`hf_sparsemax.generation`), and ``trl.SFTTrainer``
     trains the patched loss (see :mod:`hf_sparsemax.trl_support`).
@@ -285,25 +314,31 @@ def patch_model(
             loss=loss if loss is not None else previous.loss,
             loss_options=loss_options if loss is not None or loss_options else previous.loss_options,
         )
-    loss_function = None
-    if settings.loss not in (None, "cross_entropy"):
-        loss_function = task_loss(model_task(inner), make_loss(settings.loss, **settings.loss_options))
+    losses = loss_plan(inner, settings)
+    loss_function = None if losses is None else losses.loss_function
     plan = attention_plan(inner, settings)
     fused = bool(settings.loss_options.get("fused", False))
     if fused:
         check_fusable(inner)
     # validated: now change the model
     apply_attention(inner, plan, keep_learned=attn is None)
-    if reapply and plan is not None and plan[1].learn_alpha:
+    if reapply and plan is not None and plan.options.learn_alpha:
         load_learned_alpha(inner)
+    if model is not inner and plan is not None and plan.options.learn_alpha:
+        keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
+    elif model is not inner:
+        release_alpha_from_adapter(model)
     remove_matched_generate(inner)
     remove_token_outputs(inner)  # sits above the fused forward
     remove_fused_forward(inner)
+    remove_cosine_head(inner)
     if fused:
         install_fused_forward(inner, settings.loss, settings.loss_options)
+    if losses is not None and losses.head == "cosine":
+        install_cosine_head(inner, None if routes_loss_function(inner) else loss_function)
     if loss_function is not None:
         inner.loss_function = loss_function
-        if model_task(inner) == "causal_lm" and hasattr(inner, "generate"):
+        if losses.task == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
         if model_task(inner) == "causal_lm":
             install_token_outputs(inner)  # TRL's fused_lm_head=True gets the patched loss
@@ -314,6 +349,7 @@ def patch_model(
             delattr(inner.config, CONFIG_KEY)
     else:
         setattr(inner.config, CONFIG_KEY, settings.to_dict())
+    mark_for_load(inner, settings)  # from_pretrained restores it (hf_sparsemax.reload)
     return model
 
 
@@ -324,10 +360,14 @@ def unpatch_model(model):
     remove_matched_generate(inner)
     remove_token_outputs(inner)
     remove_fused_forward(inner)
+    remove_cosine_head(inner)
     if "_loss_function" in vars(inner):
         del inner._loss_function
     if hasattr(inner.config, CONFIG_KEY):
         delattr(inner.config, CONFIG_KEY)
+    clear_load_marks(inner)
+    if model is not inner:
+        release_alpha_from_adapter(model)
     return model
 
 
@@ -341,7 +381,9 @@ def compute_loss_func(loss: str, task: str = "causal_lm", ignore_index: int = -1
     """
     if task not in ("causal_lm", "sequence_classification", "token_classification"):
         raise ValueError(f"task must be causal_lm, sequence_classification or token_classification, got {task!r}")
-    head_loss = task_loss(task, make_loss(loss, **loss_options), ignore_index)
+    loss_fn = make_loss(loss, **loss_options)
+    registry.check_head(registry.get(loss), task)
+    head_loss = task_loss(task, loss_fn, ignore_index)
 
     def compute(outputs, labels, num_items_in_batch=None):
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]

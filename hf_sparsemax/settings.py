@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from .attention import ATTENTION_MAPPINGS, AttentionOptions
-from .losses import LOSS_OPTIONS
+from .mappings import registry
 
 CONFIG_KEY = "hf_sparsemax"
 ATTENTIONS = ("softmax", *ATTENTION_MAPPINGS)
@@ -29,26 +29,22 @@ class SparseSettings:
     def __post_init__(self) -> None:
         self.attn_options = dict(self.attn_options or {})
         self.loss_options = dict(self.loss_options or {})
+        if self.attn in registry.REGISTRY and self.attn not in ATTENTION_MAPPINGS:
+            raise registry.REGISTRY[self.attn].refuse("attention")
         if self.attn not in (None, *ATTENTIONS):
             raise ValueError(f"attn={self.attn!r} is unknown: choose one of {list(ATTENTIONS)}")
         if self.attn_options and self.attn in (None, "softmax"):
             raise ValueError(f"attn_options {self.attn_options} given without a sparse attn")
         if self.attn in ATTENTION_MAPPINGS:
-            self.attention_options  # validates the option names and values
-        if self.loss not in (None, "cross_entropy", *LOSS_OPTIONS):
-            raise ValueError(
-                f"loss={self.loss!r} is unknown: choose one of {['cross_entropy', *LOSS_OPTIONS]}"
-            )
-        allowed = LOSS_OPTIONS.get(self.loss, ())
-        unknown = sorted(set(self.loss_options) - set(allowed))
-        if unknown:
-            raise ValueError(
-                f"loss_options {unknown} are not options of loss={self.loss!r}; it takes {list(allowed) or 'none'}"
-            )
-        if self.loss in LOSS_OPTIONS:
-            from .losses import make_loss
-
-            make_loss(self.loss, **self.loss_options)  # validates the option values
+            AttentionOptions.from_settings(self.attn, self.attn_options)  # validates the option names and values
+        if self.loss not in (None, "cross_entropy"):
+            if self.loss not in registry.names("loss"):
+                raise ValueError(
+                    f"loss={self.loss!r} is unknown: choose one of {['cross_entropy', *registry.names('loss')]}"
+                )
+            registry.loss_options(self.loss, self.loss_options)  # validates the option names and values
+        elif self.loss_options:
+            raise ValueError(f"loss_options {self.loss_options} given without a sparse loss")
 
     @property
     def attention_options(self) -> AttentionOptions | None:
@@ -73,7 +69,7 @@ class SparseSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SparseSettings":
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names - {"version"})
+        unknown = sorted(set(data) - names - {"version", "decoding"})  # decoding: a note for people
         if unknown:
             warnings.warn(f"hf_sparsemax settings: ignoring unknown keys {unknown}", stacklevel=2)
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -23,8 +23,7 @@ the patched loss with no step from the user:
   with the target kept, ``log p_t`` of the sparse distribution), so TRL's loss is
   ``sum_t loss_t / num_items_in_batch``: exactly ``model(**batch, labels=...).loss``;
   ``entropy_t = -sum_i p_i log p_i`` of the trained distribution ``p`` (finite:
-  ``0 log 0 = 0``); ``is_top1_t = [argmax_i x_i = t]`` (every mapping here keeps
-  the order of the logits, so its argmax is the logits' argmax).
+  ``0 log 0 = 0``); ``is_top1_t = [argmax_i p_i = t]``.
 
 With ``loss_options={"fused": True}`` (and a plain ``nn.Linear`` head) the
 loss, the entropies and the argmaxes come from one chunked pass of
@@ -51,9 +50,11 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from ._model import remove_instance_method
 from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
-from .generation import remove_instance_method
-from .losses import make_loss, safe_target
+from .fused_heads import head_transform, head_values
+from .losses import loss_mapping, make_loss, safe_target
+from .mappings import registry
 from .mappings._core import masked_below, work_dtype
 from .settings import SparseSettings
 
@@ -145,13 +146,17 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
     options = {k: v for k, v in settings.loss_options.items() if k != "fused"}
     head = model.get_output_embeddings()
     aux_loss = None
-    if settings.loss_options.get("fused") and type(head) is nn.Linear and not kwargs.get("output_router_logits"):
+    fused = settings.loss_options.get("fused") and type(head) is nn.Linear
+    if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+        fused = False  # the model's own forward adds the router load-balancing loss
+    if fused:
+        transform = head_transform(model)
         hidden = backbone_hidden(model, args, kwargs)
         hidden = hidden if shift_labels is not None else hidden[:, :-1]
         target = target.to(hidden.device)
         mask = target != -100
         items, entropy, top1, total = fused_token_stats(
-            hidden, head, target, settings.loss, options, getattr(model.config, "final_logit_softcapping", None))
+            hidden, head, target, settings.loss, options, *head_values(model, transform))
         count = mask.sum().clamp_min(1)
         # value -items per token; gradient of the summed loss, spread evenly (TRL sums the tokens)
         log_probs = -(scatter(items, mask) + (total - total.detach()) * mask / count)
@@ -161,7 +166,7 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
         target = target.to(logits.device)
         mask = target != -100
         log_probs = -make_loss(settings.loss, **options)(logits, target, reduction="none")
-        entropy, top1 = dense_token_stats(logits[mask], target[mask], support_function(settings.loss, options))
+        entropy, top1 = dense_token_stats(logits[mask], target[mask], settings.loss, options)
         aux_loss = getattr(outputs, "aux_loss", None)
     denominator = mask.sum().clamp_min(1) if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denominator):
@@ -180,12 +185,12 @@ def backbone_hidden(model, args, kwargs) -> torch.Tensor:
     return getattr(model, model.base_model_prefix)(**inputs, **arguments.get("kwargs", {}))[0]
 
 
-def fused_token_stats(hidden, head, target, loss, options, softcap):
+def fused_token_stats(hidden, head, target, loss, options, scale, softcap):
     """Per counted token ``(loss_t, entropy_t, is_top1_t)`` and the summed loss, from one chunked head pass.
 
     The loss's support routine is wrapped to record, for each chunk, the
     per-token losses, ``-sum p log p`` over the support and whether the
-    label's logit is the largest; :class:`SparseHeadLossFunction` does the rest
+    label is the most probable token; :class:`SparseHeadLossFunction` does the rest
     (sparse backward).
     """
     flat = target.reshape(-1)
@@ -196,12 +201,12 @@ def fused_token_stats(hidden, head, target, loss, options, softcap):
 
     def recording_support(rows, t, masked):
         index, p, items = support(rows, t, masked)
-        records.append((items.float(), *token_stats(rows, t, p)))
+        records.append((items.float(), *token_stats(index, p, t)))
         return index, p, items
 
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
     total = SparseHeadLossFunction.apply(tokens, head.weight, head.bias, flat.index_select(0, kept),
-                                         recording_support, None if softcap is None else float(softcap), CHUNK_TOKENS)
+                                         recording_support, softcap, CHUNK_TOKENS, scale)
     if not records:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty, empty.bool(), total
@@ -210,10 +215,20 @@ def fused_token_stats(hidden, head, target, loss, options, softcap):
 
 
 @torch.no_grad()
-def dense_token_stats(logits, target, support):
-    """``(entropy_t, is_top1_t)`` for ``[N, V]`` logits, from the loss's support routine, ``CHUNK_TOKENS`` at a time."""
+def dense_token_stats(logits, target, loss, options):
+    """``(entropy_t, is_top1_t)`` for ``[N, V]`` logits, ``CHUNK_TOKENS`` rows at a time.
+
+    ``p`` comes from the loss's support routine where it has one (compact),
+    else from its mapping over the whole vocabulary.
+    """
     dtype, masked = work_dtype(logits.dtype), masked_below(logits.dtype)
-    stats = [token_stats(rows.to(dtype), t, support(rows.to(dtype), t, masked)[1])
+    if registry.loss_options(loss, options)[0].fused:
+        support = support_function(loss, options)
+        distribution = lambda rows, t: support(rows, t, masked)[:2]  # noqa: E731
+    else:
+        mapping = loss_mapping(loss, **options)
+        distribution = lambda rows, t: (None, mapping(rows))  # noqa: E731
+    stats = [token_stats(*distribution(rows.to(dtype), t), t)
              for rows, t in zip(logits.split(CHUNK_TOKENS), target.split(CHUNK_TOKENS))]
     if not stats:
         return logits.new_zeros(0, dtype=torch.float32), target.new_zeros(0, dtype=torch.bool)
@@ -221,9 +236,12 @@ def dense_token_stats(logits, target, support):
     return torch.cat(entropy), torch.cat(top1)
 
 
-def token_stats(rows: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(-sum_i p_i log p_i, [argmax_i rows_i = t])`` per row; ``p`` is dense or over the support only."""
-    return -torch.special.xlogy(p, p).sum(-1).float(), rows.argmax(-1) == t
+def token_stats(index, p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-sum_i p_i log p_i, [argmax_i p_i = t])`` per row; ``p`` dense (``index`` None) or over ``index``."""
+    top = p.argmax(-1, keepdim=True)
+    if index is not None:
+        top = index.gather(-1, top)
+    return -torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hf_sparsemax import cli
+from hf_sparsemax.app import cli
 
 
 def tiny_folder(tmp_path):

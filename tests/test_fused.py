@@ -273,7 +273,7 @@ def test_trainer_loss_curve_is_the_same(tmp_path, tie):
 
 @pytest.mark.slow
 def test_smollm2_fused_equals_unfused():
-    from hf_sparsemax import assets
+    from hf_sparsemax.app import assets
 
     model, tokenizer = assets.load_smollm2()
     model.train()

@@ -5,7 +5,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import hf_sparsemax as hs
-from hf_sparsemax import assets, metrics
+from hf_sparsemax import metrics
+from hf_sparsemax.app import assets
 from hf_sparsemax.losses import loss_mapping
 
 pytestmark = pytest.mark.slow

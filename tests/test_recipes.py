@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
-from hf_sparsemax import cli
-from hf_sparsemax.recipes import RECIPE_DIR, RecipeError, load_recipe
+from hf_sparsemax.app import cli
+from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
 CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
 
@@ -78,7 +78,7 @@ def run(*argv):
 def test_shipped_recipes_are_valid():
     for name in ("default", "classify"):
         recipe = load_recipe(os.path.join(RECIPE_DIR, name + ".yaml"))
-        assert len(recipe.all_variants()) == 3
+        assert len(recipe.all_variants()) == {"default": 3, "classify": 4}[name]  # classify: + am_softmax
     default = load_recipe("default", ["training.max_steps=7", "variants.entmax15.loss_options={}"])
     assert default.training["max_steps"] == 7 and default.training["report_to"] == "none"
     assert [v.describe() for v in default.all_variants()][2] == "attn=entmax15 loss=entmax15"
@@ -157,9 +157,14 @@ def test_resume_continues_from_the_last_checkpoint(tiny_llama, tmp_path, monkeyp
     monkeypatch.setattr(Trainer, "training_step", original)
     assert run("train", recipe, "--output", tmp_path / "cut", "--resume", *steps) == 0
     resumed = json.loads((tmp_path / "cut" / "top3" / "log_history.json").read_text())
-    losses = lambda history: [(e["step"], e["loss"]) for e in history if "loss" in e]  # noqa: E731
-    assert losses(resumed)[-2:] == pytest.approx(losses(whole)[-2:], rel=1e-5)
-    assert [s for s, _ in losses(resumed)] == [1, 2, 3, 4, 5, 6]
+    def steps_and_losses(history):
+        logged = [e for e in history if "loss" in e]
+        return [e["step"] for e in logged], [e["loss"] for e in logged]
+
+    resumed_steps, resumed_losses = steps_and_losses(resumed)
+    whole_steps, whole_losses = steps_and_losses(whole)
+    assert resumed_steps == whole_steps == [1, 2, 3, 4, 5, 6]
+    assert resumed_losses[-2:] == pytest.approx(whole_losses[-2:], rel=1e-5)
     assert json.loads((tmp_path / "cut" / "top3" / "results.json").read_text())["resumed_from"] == "checkpoint-4"
 
 
@@ -235,7 +240,7 @@ def test_two_processes_give_the_losses_of_one(tiny_llama, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.cli"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.app.cli"]
     done = subprocess.run([*launch, *map(str, common), "--output", str(tmp_path / "two"),
                            "--set", "training.per_device_train_batch_size=2"], env=env, capture_output=True,
                           text=True, timeout=300)

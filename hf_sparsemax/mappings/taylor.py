@@ -66,6 +66,11 @@ def taylor_softmax(x: torch.Tensor, dim: int = -1, order: int = 2) -> torch.Tens
     Masked entries get 0; a fully masked slice maps to zeros.
     """
     dim = check_input(x, dim)
+    return TaylorSoftmaxFunction.apply(x, dim, check_order(order))
+
+
+def check_order(order) -> int:
+    """A positive even Taylor order (``f`` is then positive everywhere)."""
     if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order < 2 or order % 2:
         raise ValueError(f"taylor_softmax needs a positive even order, got {order!r}")
-    return TaylorSoftmaxFunction.apply(x, dim, int(order))
+    return int(order)

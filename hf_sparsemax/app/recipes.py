@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from typing import Any
 
 import yaml
 
-from .settings import SparseSettings
+from ..mappings import registry
+from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")  # shipped as package data
 
 TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArguments otherwise)
     "report_to": "none",
@@ -38,6 +40,25 @@ TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArgumen
     "save_steps": 10,
     "save_total_limit": 1,
     "lr_scheduler_type": "constant",
+}
+
+
+TRAINING_RANGES = {  # TrainingArguments accepts these out of range and fails only later, after the model loaded
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "max_steps": (lambda v: v == -1 or v >= 1, ">= 1 (or -1: train for num_train_epochs)"),
+    "num_train_epochs": (lambda v: v > 0, "> 0"),
+    "learning_rate": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "max_grad_norm": (lambda v: v >= 0, ">= 0"),
+    "adam_epsilon": (lambda v: v >= 0, ">= 0"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "save_steps": (lambda v: v > 0, "> 0"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "dataloader_num_workers": (lambda v: v >= 0, ">= 0"),
 }
 
 
@@ -160,9 +181,12 @@ class Recipe:
             check_keys("lora", self.lora, lora_fields())
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
-        for variant in self.all_variants():  # validates names and options of every variant
-            variant.settings
-            check_training(f"variants.{variant.name}.training", variant.training)
+        for variant in self.all_variants():  # validates names, options and training overrides of every variant
+            if variant.loss not in (None, "cross_entropy"):
+                try:
+                    registry.check_head(registry.get(variant.loss), self.task)
+                except ValueError as error:
+                    raise RecipeError(f"variants.{variant.name}: {error}") from None
 
     def all_variants(self) -> list[Variant]:
         """The variants to compare, in recipe order (the recipe's own settings alone when it names none)."""
@@ -177,6 +201,8 @@ class Recipe:
                 raise RecipeError(f"variants.{name} must be a mapping, got {spec!r}")
             check_keys(f"variants.{name}", spec, [f.name for f in dataclasses.fields(Variant) if f.name != "name"])
             merged = {**copy.deepcopy(base), **copy.deepcopy(spec)}
+            merged["training"] = merged.get("training") or {}
+            check_training(f"variants.{name}.training", merged["training"])  # numbers coerced in the copy used
             if "attn" in spec and "attn_options" not in spec:
                 merged["attn_options"] = {}
             if "loss" in spec and "loss_options" not in spec:
@@ -215,6 +241,7 @@ def check_training(where: str, training: dict[str, Any]) -> None:
     """Known TrainingArguments fields; numbers and booleans where the field's default is one (in place).
 
     YAML reads ``5e-4`` (no dot) as a string: such strings become numbers here.
+    Numbers must lie in :data:`TRAINING_RANGES` (checked here, before any model loads).
     """
     from transformers import TrainingArguments
 
@@ -235,6 +262,9 @@ def check_training(where: str, training: dict[str, Any]) -> None:
                 raise RecipeError(f"{where}.{key} must be {'a number' if kind is float else 'an integer'}, "
                                   f"got {value!r}")
             training[key] = number
+            valid, expected = TRAINING_RANGES.get(key, (lambda v: True, ""))
+            if not math.isfinite(number) or not valid(number):
+                raise RecipeError(f"{where}.{key} must be {expected or 'finite'}, got {value!r}")
 
 
 def lora_fields() -> list[str]:
@@ -252,15 +282,21 @@ def check_keys(where: str, data: Any, allowed) -> None:
         raise RecipeError(f"unknown field(s) {unknown} in {where}: valid are {shown}")
 
 
+def shipped_recipes() -> list[str]:
+    """Names of the recipes that ship inside the package (``hf-sparsemax compare <name>``)."""
+    return sorted(f.removesuffix(".yaml") for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+
+
 def resolve_path(spec: str) -> str:
-    """A recipe file: a path, or a name in ``./recipes/`` or the repository's ``recipes/`` (``default``)."""
+    """A recipe file: a path, or a name (``default``) in ``./recipes/`` or among the shipped recipes."""
     if os.path.exists(spec):
         return spec
     for folder in ("recipes", RECIPE_DIR):
         for candidate in (os.path.join(folder, spec), os.path.join(folder, spec + ".yaml")):
             if os.path.isfile(candidate):
                 return candidate
-    raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or a name in {RECIPE_DIR}")
+    raise RecipeError(f"recipe {spec!r} not found: give a YAML file path or the name of a shipped recipe "
+                      f"({', '.join(shipped_recipes())})")
 
 
 def apply_override(data: dict[str, Any], text: str) -> None:

@@ -9,7 +9,7 @@ A trained variant is a folder::
 
 Bad input (a missing model or dataset, a model transformers cannot load, a
 ``.gguf`` of an architecture transformers' GGUF loader does not know) raises
-:class:`~hf_sparsemax.recipes.RecipeError` before any folder is written.
+:class:`~hf_sparsemax.app.recipes.RecipeError` before any folder is written.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import copy
 import json
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from . import metrics
-from .losses import loss_mapping
-from .patch import base_model, compute_loss_func, patch_model, routes_loss_function
+from .. import metrics
+from ..losses import loss_mapping
+from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .recipes import Recipe, RecipeError, Variant, one_line
 
 
@@ -169,14 +169,20 @@ def prepare(model, recipe: Recipe, variant: Variant):
 
         set_seed(recipe.training_args(variant).get("seed", 42))  # LoRA's random init: the same on every run
         model = get_peft_model(model, lora_config(recipe))
+    return model, patch_variant(model, recipe, variant)
+
+
+def patch_variant(model, recipe: Recipe, variant: Variant):
+    """Patch attention and loss as ``variant`` says; returns the ``compute_loss_func`` (or None) for heads that
+    hard-code cross-entropy. On a ``PeftModel`` learned alphas are saved with the adapter (``modules_to_save``)."""
     loss, options = variant.loss, variant.loss_options
     custom = None
-    if loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
+    if not swaps_loss(model, loss):
         custom = compute_loss_func(loss, task=recipe.task, **options)
         loss, options = None, {}
     patch_model(model, attn=variant.attn, loss=loss, attn_options=variant.attn_options or None,
                 loss_options=options or None)
-    return model, custom
+    return custom
 
 
 def variant_mapping(variant: Variant):
@@ -270,7 +276,7 @@ def evaluate(trainer) -> dict[str, float]:
 
 def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
     """Matched sampling (the distribution the loss trained, no default top-k) and its consistency report."""
-    from .generation import decoding_report
+    from ..generation import decoding_report
 
     model.eval()
     report = decoding_report(model, tokenizer, recipe.eval.prompts, max_new_tokens=recipe.eval.max_new_tokens,
@@ -308,8 +314,18 @@ def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str
     })
 
 
-def load_trained(recipe: Recipe, folder: str):
-    """``(model, tokenizer, variant info)`` of a trained variant folder, patched as it was trained."""
+class TrainedVariant(NamedTuple):
+    """A trained variant loaded back: the model patched as it was trained, and what evaluation needs."""
+
+    model: Any
+    tokenizer: Any
+    variant: Variant
+    loss_func: Any  # Trainer's compute_loss_func when the model's head hard-codes its loss, else None
+    info: dict[str, Any]  # the folder's variant.json
+
+
+def load_trained(recipe: Recipe, folder: str) -> TrainedVariant:
+    """A trained variant folder loaded back (:class:`TrainedVariant`), patched as it was trained."""
     info_path = os.path.join(folder, "variant.json")
     if not os.path.isfile(info_path):
         raise RecipeError(f"no trained variant in {folder}: run `hf-sparsemax train` (or compare) first")
@@ -317,24 +333,24 @@ def load_trained(recipe: Recipe, folder: str):
         info = json.load(handle)
     model_dir = os.path.join(folder, "model")
     tokenizer = load_tokenizer(recipe, model_dir)
-    if info["lora"]:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_base_model(recipe, info["labels"]), model_dir)
-    else:
-        model = load_base_model(recipe, info["labels"], folder=model_dir)
     settings = info["settings"]
     variant = Variant(info["variant"], attn=settings.get("attn"), attn_options=settings.get("attn_options", {}),
                       loss=settings.get("loss"), loss_options=settings.get("loss_options", {}))
-    custom = None
-    if variant.loss not in (None, "cross_entropy") and not routes_loss_function(base_model(model)):
-        custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
-        patch_model(model, attn=variant.attn, attn_options=variant.attn_options or None)
+    if info["lora"]:
+        from peft import PeftModel
+
+        # the base patched as in training (fresh alphas); the adapter then restores the trained ones (modules_to_save)
+        base = load_base_model(recipe, info["labels"])
+        custom = patch_variant(base, recipe, variant)
+        model = PeftModel.from_pretrained(base, model_dir)
     else:
-        patch_model(model, attn=variant.attn, loss=variant.loss, attn_options=variant.attn_options or None,
-                    loss_options=variant.loss_options or None)
+        model = load_base_model(recipe, info["labels"], folder=model_dir)  # restored from its config on load
+        patch_model(model)  # re-applies the saved settings (folders saved before the load hook), keeps the alphas
+        custom = None
+        if not swaps_loss(model, variant.loss):
+            custom = compute_loss_func(variant.loss, task=recipe.task, **variant.loss_options)
     model.eval()
-    return model, tokenizer, variant, custom, info
+    return TrainedVariant(model, tokenizer, variant, custom, info)
 
 
 def fresh_copy(model):

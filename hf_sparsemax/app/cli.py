@@ -1,21 +1,23 @@
 """The ``hf-sparsemax`` command: run fine-tuning recipes, and check decoding against training.
 
-    hf-sparsemax compare recipes/default.yaml            # 3 variants side by side -> runs/default/report.md
+    hf-sparsemax compare default                         # 3 variants side by side -> runs/default/report.md
     hf-sparsemax train default --variant entmax15 --set training.max_steps=20
     hf-sparsemax evaluate default --variant entmax15     # held-out metrics of runs/default/entmax15
     hf-sparsemax generate default --variant entmax15 --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
 
-A recipe is a YAML file (or the name of one in the repository's recipes/
-folder). Override any field with --set PATH=VALUE (repeatable): PATH is the
+A recipe is a YAML file (or the name of a recipe shipped with the package:
+default, classify). Override any field with --set PATH=VALUE (repeatable): PATH is the
 dotted field (training.max_steps, data.block_size, lora.r, eval.prompts,
 variants.entmax15.loss_options.alpha), VALUE is read as YAML (20, 5e-4, true,
 null, [q_proj, v_proj]). `training` is passed to transformers.TrainingArguments,
 `lora` to peft.LoraConfig (null: full fine-tuning). Results go to
 --output (default runs/<recipe name>), written to a .partial folder first and
 renamed when complete; --resume continues an interrupted run from its last
-checkpoint. Bad input exits with code 2 and one line saying what to fix.
-Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.cli train ...
+checkpoint. One run per output folder at a time (a second is refused at once,
+naming the other's pid). Bad input exits with code 2 and one line saying what
+to fix, before any model loads where it can be checked without one.
+Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.app.cli train ...
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ def load_model(spec: str | None):
 
 
 def decoding_report_command(args) -> int:
-    from .generation import decoding_report
-    from .patch import patch_model
+    from ..generation import decoding_report
+    from ..patch import patch_model
 
-    from .settings import SparseSettings
+    from ..settings import SparseSettings
 
     options = dict(args.loss_option)
     SparseSettings(loss=args.loss, loss_options=options)  # bad names or options fail before the model loads
@@ -87,7 +89,7 @@ RECIPE_COMMANDS = {
 
 def add_recipe_command(commands, name: str) -> None:
     sub = commands.add_parser(name, help=RECIPE_COMMANDS[name], description=RECIPE_COMMANDS[name])
-    sub.add_argument("recipe", help="recipe YAML file, or a name in recipes/ (default, classify)")
+    sub.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (default, classify)")
     sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                      help="override a recipe field, e.g. --set training.max_steps=20 (VALUE is YAML; repeatable)")
     sub.add_argument("--output", help="results folder (default runs/<recipe name>)")
@@ -109,8 +111,9 @@ def recipe_command(args) -> int:
         return 0
     if args.command == "train":
         out = commands.train_command(recipe, args.variant, args.output, args.resume)
+        final = "none logged (max_steps < logging_steps)" if out["final_loss"] is None else f"{out['final_loss']:.4f}"
         summary(f"trained {out['variant']!r} ({out['steps']} steps, {out['seconds']:.0f} s), final loss "
-                f"{out['final_loss']:.4f}, held-out {headline(out)}; saved in {out['folder']}", None)
+                f"{final}, held-out {headline(out)}; saved in {out['folder']}", None)
     elif args.command == "evaluate":
         out = commands.evaluate_command(recipe, args.variant, args.output)
         print(json.dumps(out, indent=2, default=str))
@@ -147,6 +150,8 @@ def summary(text: str, compared: dict | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..mappings import registry
+
     parser = OneLineParser(prog="hf-sparsemax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         add_recipe_command(commands, name)
     report = commands.add_parser("decoding-report", help="how far sampling strays from the trained distribution")
     report.add_argument("--model", help="model id, folder or .gguf file (default: offline SmolLM2-135M-Instruct)")
-    report.add_argument("--loss", help="the training loss whose distribution decoding should match")
+    report.add_argument("--loss", help="the training loss whose distribution decoding should match: one of "
+                        + ", ".join(["cross_entropy", *registry.names("processor")]))
     report.add_argument("--loss-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE")
     report.add_argument("--decode-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE",
                         help="decode with plain transformers sampling and these generate options instead")

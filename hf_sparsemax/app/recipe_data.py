@@ -26,6 +26,34 @@ def held_out(text: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def check_source(spec: DataSpec) -> None:
+    """What can be checked of ``data.source`` without reading it (before a model loads).
+
+    Fortune categories must exist; local files must exist and be of one kind;
+    a dataset name must be one name (whether it loads is known only on loading).
+    """
+    from . import assets
+
+    if spec.source == "fortunes":
+        unknown = [c for c in spec.categories or [] if c not in assets.FORTUNE_FILES]
+        if unknown:
+            raise RecipeError(f"data.categories: unknown fortune categories {unknown}: choose from "
+                              f"{list(assets.FORTUNE_FILES)}")
+        return
+    sources = spec.source if isinstance(spec.source, list) else [spec.source]
+    local = [s for s in sources if os.path.splitext(s)[1].lower() in TEXT_SUFFIXES or os.path.exists(s)]
+    if local and len(local) != len(sources):
+        raise RecipeError(f"data.source mixes local files and dataset names: {sources}")
+    if not local and len(sources) != 1:
+        raise RecipeError(f"data.source names several datasets {sources}: give one dataset name or local files")
+    missing = [p for p in local if not os.path.isfile(p)]
+    if missing:
+        raise RecipeError(f"data file(s) {missing} not found: fix data.source")
+    kinds = {TEXT_SUFFIXES.get(os.path.splitext(p)[1].lower(), "text") for p in local}
+    if len(kinds) > 1:
+        raise RecipeError(f"data.source mixes file kinds {sorted(kinds)}: use one of .txt, .json/.jsonl, .csv")
+
+
 def load_entries(spec: DataSpec) -> list[tuple[str, str]]:
     """``(text, label)`` pairs (label: the fortune category or the dataset's label field, "" if none)."""
     from . import assets

@@ -4,14 +4,17 @@ Folders are written atomically: work happens in ``<folder>.partial`` and is
 renamed to ``<folder>`` only when everything succeeded, so a failed or
 interrupted run never leaves a half-written report or model. Training
 checkpoints live in the ``.partial`` folder; ``resume=True`` continues from
-the last one (and ``compare`` skips the variants that had finished).
-Everything that can be checked before a model is loaded (the recipe, every
-variant's settings, the training arguments, the model's location) is checked
-first.
+the last one (and ``compare`` skips the variants that had finished); a run
+that fails before it has anything to resume from removes its ``.partial``
+folder again. Everything that can be checked before a model is loaded (the
+recipe, every variant's settings, the training arguments, the data source,
+the output folder, the model's location) is checked first. One run per output
+folder at a time: a second one is refused at once (:mod:`.run_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -20,8 +23,9 @@ import time
 from typing import Any
 
 from . import runner
-from .recipe_data import causal_lm_datasets, classification_datasets
+from .recipe_data import causal_lm_datasets, check_source, classification_datasets
 from .recipes import Recipe, RecipeError, Variant
+from .run_lock import missing_folders, output_lock, remove_empty
 
 
 def is_main_process() -> bool:
@@ -48,8 +52,40 @@ def start_work(work: str, resume: bool) -> None:
     barrier()
 
 
+def resumable(work: str) -> bool:
+    """Whether a work folder holds something ``resume`` can use: a checkpoint or a finished variant."""
+    for _, folders, files in os.walk(work):
+        if "results.json" in files or any(f.startswith("checkpoint-") for f in folders):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def discard_on_failure(work: str):
+    """If the block fails, remove the work folder it made again, unless it is :func:`resumable`."""
+    created = missing_folders(work)
+    try:
+        yield
+    except BaseException:
+        if is_main_process() and not resumable(work):
+            shutil.rmtree(work, ignore_errors=True)
+            remove_empty(created)
+        raise
+
+
+def locked(folder: str, what: str):
+    """The output folder's lock (:func:`~hf_sparsemax.app.run_lock.output_lock`), taken by the main process only."""
+    return output_lock(folder, what) if is_main_process() else contextlib.nullcontext()
+
+
+def note_replacement(final: str) -> None:
+    if is_main_process() and os.path.isdir(final):
+        print(f"hf-sparsemax: note: {final} holds a finished result; this run replaces it when it completes",
+              flush=True)
+
+
 def publish(work: str, final: str) -> None:
-    """Rename the finished work folder to its final name, replacing an older result."""
+    """Rename the finished work folder to its final name, replacing an older result (and saying so)."""
     barrier()
     if not is_main_process():
         return
@@ -57,15 +93,30 @@ def publish(work: str, final: str) -> None:
     if os.path.exists(final):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
+        print(f"hf-sparsemax: replaced the earlier result in {final}", flush=True)
     os.rename(work, final)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check(recipe: Recipe, variants: list[Variant]) -> None:
-    """Everything checkable before loading: training arguments of each variant, the model's location."""
+def check_output(folder: str) -> None:
+    """The output folder is a folder (or can be made) in a writable place."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise RecipeError(f"--output {folder} is a file, not a folder: choose another --output")
+    existing = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"cannot write the output folder {folder}: {existing} is not a writable folder; "
+                          "choose another --output")
+
+
+def check(recipe: Recipe, variants: list[Variant], output: str) -> None:
+    """Everything checkable before loading: each variant's training arguments, data, output folder, model location."""
     for variant in variants:
         args = runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
         args.world_size  # sets up the process group under `accelerate launch`, so barrier() works from here on
+    check_source(recipe.data)
+    check_output(output)
     runner.model_location(recipe.model)
 
 
@@ -115,15 +166,19 @@ def describe(name: str | None, options: dict[str, Any]) -> str:
 def train_command(recipe: Recipe, variant_name: str | None, output: str | None, resume: bool) -> dict[str, Any]:
     """Fine-tune one variant into ``<output>/<variant>``, evaluate it on the held-out split, sample from it."""
     variant = recipe.variant(variant_name)
-    check(recipe, [variant])
-    start = time.perf_counter()
-    tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
-    final = os.path.join(output or default_output(recipe), variant.name)
-    work = final + ".partial"
-    start_work(work, resume)
-    results, _ = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, work, resume,
-                             heatmap=False)
-    publish(work, final)
+    root = output or default_output(recipe)
+    check(recipe, [variant], root)
+    with locked(root, f"train {recipe.name} --variant {variant.name}"):
+        start = time.perf_counter()
+        tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
+        final = os.path.join(root, variant.name)
+        work = final + ".partial"
+        note_replacement(final)
+        with discard_on_failure(work):
+            start_work(work, resume)
+            results, _ = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, work, resume,
+                                     heatmap=False)
+        publish(work, final)
     results["seconds"] = round(time.perf_counter() - start, 1)
     results["folder"] = final
     return results
@@ -132,16 +187,19 @@ def train_command(recipe: Recipe, variant_name: str | None, output: str | None, 
 def evaluate_command(recipe: Recipe, variant_name: str | None, output: str | None) -> dict[str, Any]:
     """Held-out metrics of a trained variant (written to its results.json)."""
     variant = recipe.variant(variant_name)
-    folder = os.path.join(output or default_output(recipe), variant.name)
-    model, tokenizer, trained, custom_loss, info = runner.load_trained(recipe, folder)
-    if recipe.task == "sequence_classification":
-        _, eval_set, _ = classification_datasets(recipe.data, tokenizer)
-    else:
-        _, eval_set = causal_lm_datasets(recipe.data, tokenizer)
-    trainer = runner.make_trainer(recipe, trained, model, tokenizer, None, eval_set, folder,
-                                  num_labels=len(info["labels"]) if info["labels"] else None, custom_loss=custom_loss)
-    results = runner.evaluate(trainer)
-    update_results(folder, results)
+    root = output or default_output(recipe)
+    folder = os.path.join(root, variant.name)
+    with locked(root, f"evaluate {recipe.name} --variant {variant.name}"):
+        model, tokenizer, trained, custom_loss, info = runner.load_trained(recipe, folder)
+        if recipe.task == "sequence_classification":
+            _, eval_set, _ = classification_datasets(recipe.data, tokenizer)
+        else:
+            _, eval_set = causal_lm_datasets(recipe.data, tokenizer)
+        trainer = runner.make_trainer(recipe, trained, model, tokenizer, None, eval_set, folder,
+                                      num_labels=len(info["labels"]) if info["labels"] else None,
+                                      custom_loss=custom_loss)
+        results = runner.evaluate(trainer)
+        update_results(folder, results)
     return {"variant": trained.name, "folder": folder, **results}
 
 
@@ -150,10 +208,12 @@ def generate_command(recipe: Recipe, variant_name: str | None, output: str | Non
     if recipe.task != "causal_lm":
         raise RecipeError(f"generate needs a causal_lm recipe; {recipe.name!r} is {recipe.task}")
     variant = recipe.variant(variant_name)
-    folder = os.path.join(output or default_output(recipe), variant.name)
-    model, tokenizer, trained, _, _ = runner.load_trained(recipe, folder)
-    results = runner.sample(model, tokenizer, recipe)
-    update_results(folder, results)
+    root = output or default_output(recipe)
+    folder = os.path.join(root, variant.name)
+    with locked(root, f"generate {recipe.name} --variant {variant.name}"):
+        model, tokenizer, trained = runner.load_trained(recipe, folder)[:3]
+        results = runner.sample(model, tokenizer, recipe)
+        update_results(folder, results)
     return {"variant": trained.name, "folder": folder, "prompts": recipe.eval.prompts, **results}
 
 
@@ -170,14 +230,21 @@ def update_results(folder: str, new: dict[str, Any]) -> None:
 
 def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[str, Any]:
     """Every variant on the same model and split; a report folder with table, plots, samples and weights."""
+    variants = recipe.all_variants()
+    final = output or default_output(recipe)
+    check(recipe, variants, final)
+    with locked(final, f"compare {recipe.name}"):
+        work = final.rstrip("/") + ".partial"
+        with discard_on_failure(work):
+            return compare_variants(recipe, variants, final, work, resume)
+
+
+def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: str, resume: bool) -> dict[str, Any]:
     from . import report
 
-    variants = recipe.all_variants()
-    check(recipe, variants)
     start = time.perf_counter()
     tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
-    final = output or default_output(recipe)
-    work = final.rstrip("/") + ".partial"
+    note_replacement(final)
     start_work(work, resume)
     results, maps, histories = [], {}, {}
     for variant in variants:
@@ -188,7 +255,7 @@ def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[st
                 result = json.load(handle)
             attention = None
             if recipe.task == "causal_lm" and is_main_process():
-                model, _, _, _, _ = runner.load_trained(recipe, vdir)
+                model = runner.load_trained(recipe, vdir).model
                 attention = runner.attention_map(model, tokenizer, recipe)
                 del model
         else:

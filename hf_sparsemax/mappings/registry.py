@@ -1,0 +1,278 @@
+"""The registry of mappings: every mapping once, with what each swap point needs to know about it.
+
+An entry says, for one name: its mapping function, its options (one frozen
+dataclass per mapping, validated in ``__post_init__``, a ``ValueError`` with
+one sentence on bad input), its row solver, its support routine (sparse
+mappings: what the fused head loss reads), its loss (a Fenchel-Young alpha or
+another rule) and the swap points it supports:
+
+- ``attention``: ``patch_model(attn=name)`` / ``attn_implementation=name``;
+  ``attention_options`` names the mapping options attention accepts (besides
+  ``chunk_size``, and ``learn_alpha`` for a mapping with an ``alpha``);
+- ``loss``: ``patch_model(loss=name)``, ``compute_loss_func``, recipes;
+- ``fused``: ``loss_options={"fused": True}`` (needs a sparse support);
+- ``processor``: matched decoding, ``logits_processors(model)``;
+- ``head="cosine"``: the loss needs a cosine classification head.
+
+A swap point an entry does not support has a sentence in ``refusals`` saying
+why; that sentence is the ``ValueError`` a user sees. Attention names, loss
+names, processors, the fused head, ``SparseSettings``, recipes and the CLI all
+read this table, so adding a mapping is its module, one entry here and its
+tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .. import likelihood, losses, margin
+from .entmax import check_alpha, entmax15, entmax15_rows, entmax15_support, entmax_bisect, entmax_bisect_rows
+from .entmax import entmax_bisect_support
+from .perturb import DEFAULT_POINTS, MAX_CLASSES, check_perturb, perturb_log_rows, perturb_max
+from .sparse_softmax import check_top, sparse_softmax, sparse_softmax_rows, sparse_softmax_support
+from .sparsemax import sparsemax, sparsemax_rows, sparsemax_support
+from .taylor import check_order, taylor_rows, taylor_softmax
+
+SWAP_POINTS = ("attention", "loss", "fused", "processor")
+TASKS = ("causal_lm", "sequence_classification", "token_classification")
+
+
+# ---- options: one validated dataclass per mapping -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SparsemaxOptions:
+    """sparsemax takes no options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entmax15Options:
+    """entmax15 takes no options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EntmaxBisectOptions:
+    """``alpha``: a float > 1, or (losses) a tensor of them."""
+
+    alpha: float | torch.Tensor = 1.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", check_alpha(self.alpha))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSoftmaxOptions:
+    """``top_k`` (a positive int) and / or ``top_p`` (in (0, 1]); neither: softmax."""
+
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        top_k, top_p = check_top(self.top_k, self.top_p)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "top_p", top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaylorSoftmaxOptions:
+    """``order``: a positive even integer."""
+
+    order: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "order", check_order(self.order))
+
+
+@dataclasses.dataclass(frozen=True)
+class PerturbMaxOptions:
+    """``noise``: ``"gaussian"`` or ``"gumbel"``; ``points``: quadrature nodes (>= 2)."""
+
+    noise: str = "gaussian"
+    points: int = DEFAULT_POINTS
+
+    def __post_init__(self) -> None:
+        check_perturb(self.noise, self.points)
+        object.__setattr__(self, "points", int(self.points))
+
+
+@dataclasses.dataclass(frozen=True)
+class AMSoftmaxOptions:
+    """``margin`` in [0, 2) (cosine units) and ``scale`` > 0."""
+
+    margin: float = 0.35
+    scale: float = 30.0
+
+    def __post_init__(self) -> None:
+        m, s = margin.check_margin(self.margin, self.scale)
+        object.__setattr__(self, "margin", m)
+        object.__setattr__(self, "scale", s)
+
+
+def option_values(options: Any) -> dict[str, Any]:
+    """An options object as keyword arguments (tensors kept as they are, not copied)."""
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
+
+
+# ---- entries -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """One registry entry (see the module docstring)."""
+
+    name: str
+    options: type
+    function: Callable[..., torch.Tensor]  # function(x, dim=-1, **options): the distribution, along dim
+    rows: Callable[..., Any]  # row solver on [rows, n] float rows: rows(rows, masked, options) -> p (or log p)
+    loss: Callable[..., torch.Tensor]  # loss(logits, target, **options, ignore_index=, reduction=)
+    loss_rule: str  # "fenchel_young", "kept_logsumexp" (Su's sparse softmax), "nll" (-log p_t), "margin"
+    alpha: float | str | None = None  # Fenchel-Young alpha, or the name of the option holding it
+    support: Callable[..., Any] | None = None  # support(rows, masked, options) -> (index, p, tau) [rows, K]
+    attention_options: tuple[str, ...] | None = None  # None: not an attention
+    fused: bool = False
+    processor: bool = True
+    head: str | None = None
+    tasks: tuple[str, ...] = TASKS
+    max_classes: int | None = None  # largest label set / vocabulary the loss accepts (cost grows faster than n)
+    refusals: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def swap_points(self) -> tuple[str, ...]:
+        supported = {"attention": self.attention_options is not None, "loss": True, "fused": self.fused,
+                     "processor": self.processor}
+        return tuple(point for point in SWAP_POINTS if supported[point])
+
+    def refuse(self, point: str) -> ValueError:
+        reason = self.refusals.get(point, f"{self.name!r} does not support {point}")
+        return ValueError(reason)
+
+    def parse(self, options: dict[str, Any] | None, allowed: tuple[str, ...] | None = None, what: str = "options"):
+        """Validated options object from a dict; ``allowed`` restricts the names (default: all fields)."""
+        options = dict(options or {})
+        names = tuple(f.name for f in dataclasses.fields(self.options)) if allowed is None else allowed
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"{unknown} are not {what} of {self.name!r}; it takes {list(names) or 'none'}")
+        return self.options(**options)
+
+    def fenchel_young_alpha(self, options) -> float | torch.Tensor | None:
+        return getattr(options, self.alpha) if isinstance(self.alpha, str) else self.alpha
+
+    def distribution(self, options) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> p`` along the last dim with these options: what the loss trains and decoding samples."""
+        values = option_values(options)
+        return lambda x: self.function(x, **values)
+
+
+def _entries() -> dict[str, Mapping]:
+    dense = ("{} has dense support (every class gets p > 0), so the fused head loss would cost the full "
+             "[tokens, vocab] gradient it exists to avoid: drop fused (the unfused loss is exact)")
+    entries = [
+        Mapping("sparsemax", SparsemaxOptions, sparsemax,
+                rows=lambda rows, masked, o: sparsemax_rows(rows, masked)[0],
+                loss=losses.sparsemax_loss, loss_rule="fenchel_young", alpha=2.0,
+                support=lambda rows, masked, o: sparsemax_support(rows, masked),
+                attention_options=(), fused=True),
+        Mapping("entmax15", Entmax15Options, entmax15,
+                rows=lambda rows, masked, o: entmax15_rows(rows, masked)[0],
+                loss=losses.entmax15_loss, loss_rule="fenchel_young", alpha=1.5,
+                support=lambda rows, masked, o: entmax15_support(rows, masked),
+                attention_options=(), fused=True),
+        Mapping("entmax_bisect", EntmaxBisectOptions, entmax_bisect,
+                rows=lambda rows, masked, o: entmax_bisect_rows(rows, o.alpha, masked)[0],
+                loss=losses.entmax_bisect_loss, loss_rule="fenchel_young", alpha="alpha",
+                support=lambda rows, masked, o: entmax_bisect_support(rows, o.alpha, masked),
+                attention_options=("alpha",), fused=True),
+        Mapping("sparse_softmax", SparseSoftmaxOptions, sparse_softmax,
+                rows=lambda rows, masked, o: sparse_softmax_rows(rows, o.top_k, o.top_p, masked),
+                loss=losses.sparse_softmax_loss, loss_rule="kept_logsumexp",
+                support=lambda rows, masked, o: sparse_softmax_support(rows, o.top_k, o.top_p, masked),
+                attention_options=("top_k",), fused=True),
+        Mapping("taylor_softmax", TaylorSoftmaxOptions, taylor_softmax,
+                rows=lambda rows, masked, o: taylor_rows(rows, o.order, masked)[0],
+                loss=likelihood.taylor_softmax_loss, loss_rule="nll",
+                attention_options=("order",), refusals={"fused": dense.format("taylor_softmax")}),
+        Mapping("perturb_max", PerturbMaxOptions, perturb_max,
+                rows=lambda rows, masked, o: perturb_log_rows(rows, o.noise, o.points, masked).exp(),
+                loss=likelihood.perturb_max_loss, loss_rule="nll", max_classes=MAX_CLASSES,
+                refusals={
+                    "fused": dense.format("perturb_max"),
+                    "attention": "perturb_max is not an attention: it costs `points` (default 256) softmaxes per "
+                                 "row and keeps [rows, keys, points] for backward, with no sparse support to "
+                                 "exploit; use it as a loss or a classification head's distribution",
+                }),
+        Mapping("am_softmax", AMSoftmaxOptions, margin.am_softmax,
+                rows=lambda rows, masked, o: torch.softmax(o.scale * rows, -1),
+                loss=margin.am_softmax_loss, loss_rule="margin", head="cosine",
+                tasks=("sequence_classification",),
+                refusals={
+                    "fused": "am_softmax is a sequence-classification loss on a cosine head; the fused head loss "
+                             "is for causal LMs: drop fused",
+                    "attention": "am_softmax is a loss on a cosine classification head, not an attention",
+                }),
+    ]
+    return {entry.name: entry for entry in entries}
+
+
+REGISTRY: dict[str, Mapping] = _entries()
+
+
+def get(name: str) -> Mapping:
+    """The entry of a registered name, or a ``ValueError`` listing the names."""
+    entry = REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown mapping {name!r}: choose one of {list(REGISTRY)}")
+    return entry
+
+
+def names(point: str | None = None) -> tuple[str, ...]:
+    """Registered names, or those that support one swap point (``"attention"``, ``"loss"``, ...)."""
+    if point is not None and point not in SWAP_POINTS:
+        raise ValueError(f"swap point must be one of {SWAP_POINTS}, got {point!r}")
+    return tuple(name for name, entry in REGISTRY.items() if point is None or point in entry.swap_points)
+
+
+def attention_entry(name: str) -> Mapping:
+    """The entry of a sparse attention name, or a ``ValueError`` naming the attentions."""
+    entry = REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown attention {name!r}: choose one of {['softmax', *names('attention')]}")
+    if entry.attention_options is None:
+        raise entry.refuse("attention")
+    return entry
+
+
+def loss_options(name: str, options: dict[str, Any] | None):
+    """``(entry, validated mapping options, fused)`` of a loss name and its ``loss_options``."""
+    entry = REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown loss {name!r}: choose one of {['cross_entropy', *names('loss')]}")
+    options = dict(options or {})
+    fused = options.pop("fused", False)
+    if not isinstance(fused, bool):
+        raise ValueError("loss option fused must be True or False")
+    fields = tuple(f.name for f in dataclasses.fields(entry.options))
+    parsed = entry.parse(options, fields + ("fused",), what="options of loss")
+    if fused and not entry.fused:
+        raise entry.refuse("fused")
+    return entry, parsed, fused
+
+
+def mapping_function(mapping: str | Callable, **options) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> p`` along the last dim from a registered name (with its options) or a callable (no options)."""
+    if callable(mapping):
+        if options:
+            raise ValueError(f"options {sorted(options)} are for a mapping given by name; bind them into the callable")
+        return mapping
+    entry = get(mapping)
+    return entry.distribution(entry.parse(options))
+
+
+def check_head(entry: Mapping, task: str, classes: int | None = None) -> None:
+    """Refuse a loss on a head it is not for: another task, or more classes than ``max_classes``."""
+    if task not in entry.tasks:
+        raise ValueError(f"loss {entry.name!r} is for {' / '.join(entry.tasks)} heads, not {task}")
+    if entry.max_classes is not None and classes is not None and classes > entry.max_classes:
+        raise ValueError(f"loss {entry.name!r} supports at most {entry.max_classes} classes and this head has "
+                         f"{classes}: use sparsemax, entmax15 or sparse_softmax for large label sets and vocabularies")

@@ -1,0 +1,109 @@
+"""The package's layout: the library never imports the app, and the shipped recipes survive a real install."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hf_sparsemax
+
+PACKAGE = os.path.dirname(hf_sparsemax.__file__)
+ROOT = os.path.dirname(PACKAGE)
+
+
+def imported_modules(path, top_level_only=False):
+    """Absolute names of the hf_sparsemax modules a file imports (relative imports resolved).
+
+    ``top_level_only``: only the imports run when the module is imported (not those inside functions).
+    """
+    package = os.path.relpath(os.path.dirname(path), ROOT).replace(os.sep, ".")
+    tree = ast.parse(open(path).read())
+    names = set()
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return {n for n in names if n.startswith("hf_sparsemax")}
+
+
+def library_files():
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d not in ("app", "__pycache__")]
+        yield from (os.path.join(folder, f) for f in files if f.endswith(".py"))
+
+
+def test_imported_modules_resolves_relative_imports(tmp_path):
+    app_module = os.path.join(PACKAGE, "app", "runner.py")
+    assert "hf_sparsemax.patch" in imported_modules(app_module)
+    assert "hf_sparsemax.app.recipes" in imported_modules(app_module)
+
+
+def test_no_library_module_imports_the_app():
+    offenders = {os.path.relpath(path, ROOT): sorted(n for n in imported_modules(path) if n.startswith("hf_sparsemax.app"))
+                 for path in library_files()}
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+@pytest.mark.slow
+def test_named_recipes_work_from_a_built_wheel(tmp_path):
+    """A non-editable install (the built wheel, not this checkout) still finds `default` and `classify` by name."""
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), ROOT],
+                   check=True, capture_output=True, timeout=600)
+    (wheel,) = wheels.glob("hf_sparsemax-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of any editable install of the checkout
+    script = ("import hf_sparsemax, os; from hf_sparsemax.app.recipes import load_recipe; "
+              "print(os.path.dirname(hf_sparsemax.__file__)); "
+              "print(load_recipe('default').name, load_recipe('classify').name)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    installed, names = done.stdout.strip().splitlines()
+    assert installed == str(site / "hf_sparsemax") and names == "default classify"
+    command = subprocess.run([sys.executable, str(site / "bin" / "hf-sparsemax"), "compare", "--help"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert command.returncode == 0 and "shipped recipe" in command.stdout, command.stderr[-2000:]
+
+
+def module_name(path):
+    name = os.path.relpath(path, ROOT).removesuffix(".py").replace(os.sep, ".")
+    return name.removesuffix(".__init__")
+
+
+# Back-edges taken by a lazy import inside a function, each for a reason: the load hook re-applies saved
+# settings through patch_model (the orchestrator); make_loss / loss_mapping read the registry, whose entries
+# name the loss functions. Any other cycle, lazy or not, fails the test below.
+LAZY_BACK_EDGES = {("hf_sparsemax.reload", "hf_sparsemax.patch"), ("hf_sparsemax.losses", "hf_sparsemax.mappings.registry")}
+
+
+def test_library_modules_import_no_cycle():
+    """No cycle among the library's imports, but for the documented lazy back-edges."""
+    modules = {module_name(p): p for p in library_files()}
+    package_inits = {name for name, path in modules.items() if path.endswith("__init__.py")}
+    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and m not in package_inits
+                    and (name, m) not in LAZY_BACK_EDGES}
+             for name, path in modules.items()}
+    for source, target in LAZY_BACK_EDGES:  # still lazy: never imported when the module is
+        assert target not in imported_modules(modules[source], top_level_only=True)
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    cycles = [c for name in sorted(modules) if name not in package_inits and (c := cycle_from(name))]
+    assert cycles == []
