@@ -340,7 +340,7 @@ def patch_model(
         inner.loss_function = loss_function
         if losses.task == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
-        if model_task(inner) == "causal_lm":
+        if losses.task == "causal_lm":
             install_token_outputs(inner)  # TRL's fused_lm_head=True gets the patched loss
     elif "_loss_function" in vars(inner):
         del inner._loss_function
