@@ -10,6 +10,7 @@ swap of this library is undoable). Kept apart from ``patch.py`` and
 from __future__ import annotations
 
 import inspect
+import types
 
 from torch import nn
 
@@ -49,9 +50,13 @@ def routes_loss_function(model) -> bool:
 
 
 def set_instance_method(model, name: str, method, tag: str) -> None:
-    """Shadow ``type(model).name`` by ``method`` on this instance only, marked ``tag`` for removal."""
+    """Shadow ``type(model).name`` by ``method(self, ...)`` on this instance only, marked ``tag`` for removal.
+
+    ``method`` is bound to ``model`` (not closed over it), so ``copy.deepcopy(model)`` gives a copy whose
+    method runs on the copy's own weights.
+    """
     setattr(method, tag, True)
-    setattr(model, name, method)
+    setattr(model, name, types.MethodType(method, model))
 
 
 def remove_instance_method(model, name: str, tag: str) -> None:

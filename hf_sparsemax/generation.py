@@ -141,8 +141,8 @@ def install_matched_generate(model) -> None:
     """Make ``model.generate`` (an instance attribute, undone by ``remove_matched_generate``) sample matched."""
     original = type(model).generate
 
-    def generate(*args, **kwargs):
-        return original(model, *args, **matched_generate_kwargs(model, kwargs))
+    def generate(self, *args, **kwargs):
+        return original(self, *args, **matched_generate_kwargs(self, kwargs))
 
     generate.__doc__ = original.__doc__
     set_instance_method(model, "generate", generate, "hf_sparsemax_matched")

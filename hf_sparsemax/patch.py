@@ -233,22 +233,22 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
     options = {k: v for k, v in loss_options.items() if k != "fused"}
     transform = head_transform(model)
 
-    def forward(*args, **kwargs):
-        arguments = signature.bind(model, *args, **kwargs).arguments
+    def forward(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
         labels = arguments.get("labels")
-        head = model.get_output_embeddings()
-        if labels is None or not model.training or type(head) is not nn.Linear:
-            return original(model, *args, **kwargs)
+        head = self.get_output_embeddings()
+        if labels is None or not self.training or type(head) is not nn.Linear:
+            return original(self, *args, **kwargs)
         inputs = {k: v for k, v in arguments.items() if k not in ("self", "labels", "logits_to_keep", "kwargs")}
         router = inputs.get("output_router_logits")
-        if transform.router_aux_loss and (getattr(model.config, "output_router_logits", False) if router is None
+        if transform.router_aux_loss and (getattr(self.config, "output_router_logits", False) if router is None
                                           else router):
-            raise router_refusal(model)  # the forward would add a load-balancing loss the fused path leaves out
-        scale, softcap = head_values(model, transform)
+            raise router_refusal(self)  # the forward would add a load-balancing loss the fused path leaves out
+        scale, softcap = head_values(self, transform)
         extra = dict(arguments.get("kwargs", {}))
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         shift_labels = extra.pop("shift_labels", None)
-        outputs = getattr(model, model.base_model_prefix)(**inputs, **extra)
+        outputs = getattr(self, self.base_model_prefix)(**inputs, **extra)
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         hidden = outputs[0]
@@ -259,7 +259,7 @@ def install_fused_forward(model, loss: str, loss_options: dict[str, Any]) -> Non
         return CausalLMOutputWithPast(loss=loss_value, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
-    forward.__signature__ = inspect.signature(original.__get__(model))
+    forward.__signature__ = inspect.signature(original)
     forward.__doc__ = original.__doc__
     set_instance_method(model, "forward", forward, "hf_sparsemax_fused")
 

@@ -106,7 +106,12 @@ def install_token_outputs(model) -> None:
     below = vars(model).get("forward")
 
     def forward(self, *args, **kwargs):
-        call_below = below if below is not None else type(self).forward.__get__(self)
+        if below is None:
+            call_below = type(self).forward.__get__(self)
+        elif isinstance(below, types.MethodType) and below.__self__ is model:  # our fused forward: on self's weights
+            call_below = types.MethodType(below.__func__, self)
+        else:
+            call_below = below
         if kwargs.pop(REQUEST, False):
             return token_outputs(self, call_below, args, kwargs)
         return call_below(*args, **kwargs)

@@ -292,3 +292,17 @@ def test_smollm2_fused_equals_unfused():
     (loss, dw, dlayer), (fused_loss, fused_dw, fused_dlayer) = results[False], results[True]
     assert torch.allclose(fused_loss, loss, rtol=1e-5)
     assert relative_error(fused_dw, dw) <= 1e-4 and relative_error(fused_dlayer, dlayer) <= 1e-4
+
+
+def test_a_deep_copy_trains_and_samples_with_its_own_weights():
+    """The fused forward and matched generate are bound to the model, so a deepcopy (TRL's reference model) uses its own."""
+    model = hs.patch_model(tiny_lm(), loss="sparsemax", loss_options={"fused": True})
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(3.0)
+    ids, labels = batch()
+    fused_loss = twin.train()(input_ids=ids, labels=labels).loss  # the fused path
+    plain_loss = twin.eval()(input_ids=ids, labels=labels).loss  # the model's own forward, same sparse loss
+    assert torch.allclose(fused_loss, plain_loss, rtol=1e-6)
+    assert not torch.allclose(fused_loss, model.train()(input_ids=ids, labels=labels).loss)
+    assert twin.forward.__self__ is twin and twin.generate.__self__ is twin
