@@ -289,8 +289,8 @@ def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: 
             report.plot_attention(maps, os.path.join(work, "attention_heatmap.png"), layer, recipe.eval.heatmap_head)
             figures.append("attention_heatmap.png")
             report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
-        if recipe.task == "sequence_classification":
-            report.plot_confusion(results, os.path.join(work, "confusion_matrix.png"))
+        if recipe.task == "sequence_classification" and report.plot_confusion(
+                results, os.path.join(work, "confusion_matrix.png")):
             figures.append("confusion_matrix.png")
         report.write_report(work, recipe, results, seconds, figures)
         runner.write_json(os.path.join(work, "results.json"), results)

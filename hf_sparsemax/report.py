@@ -84,14 +84,19 @@ def decoder_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_confusion(results: list[dict[str, Any]], path: str) -> None:
-    """One confusion matrix per variant (rows: true label, columns: predicted), colour = share of the row."""
+def plot_confusion(results: list[dict[str, Any]], path: str) -> bool:
+    """One confusion matrix per variant (rows: true label, columns: predicted), colour = share of the row.
+
+    Returns False (no file) when no result holds a confusion matrix (results written by an older version).
+    """
+    shown = [r for r in results if r.get("confusion_matrix")]
+    if not shown:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in results if r.get("confusion_matrix")]
     n = len(shown[0]["class_names"])
     side = max(3.5, 0.22 * n + 2.5)
     fig, axes = plt.subplots(1, len(shown), figsize=(side * len(shown), side), squeeze=False)
@@ -114,6 +119,7 @@ def plot_confusion(results: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def plot_loss_curves(histories: dict[str, list[dict[str, Any]]], path: str) -> None:
