@@ -262,7 +262,10 @@ def causal_lm_datasets(spec: DataSpec, tokenizer) -> tuple[Blocks, Blocks]:
 def choose(labels: list[str], names: list[str], count: int | None, balance: bool, where: str) -> list[int]:
     """Positions in ``labels`` to use: the first ``count`` of each label (``balance``) or in all; None: all."""
     if not balance:
-        return list(range(len(labels) if count is None else min(count, len(labels))))
+        if count is not None and count > len(labels):
+            raise RecipeError(f"the {where} data holds {len(labels)} entries, fewer than data.{where}_size={count}: "
+                              "lower it, or set it to null (every entry)")
+        return list(range(len(labels) if count is None else count))
     chosen = []
     for name in names:
         positions = [i for i, label in enumerate(labels) if label == name][:count]

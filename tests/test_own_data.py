@@ -95,6 +95,8 @@ def test_balance_false_keeps_the_natural_distribution_and_a_rare_class(tmp_path)
     train_set, _, _ = classification_datasets(DataSpec(source=source, balance=False, train_size=20, eval_size=None),
                                               char_tokenizer())
     assert len(train_set) == 20  # 20 in all, drawn from the shuffled entries
+    with pytest.raises(RecipeError, match=r"the train data holds 45 entries, fewer than data.train_size=46"):
+        classification_datasets(DataSpec(source=source, balance=False, train_size=46), char_tokenizer())
 
 
 def own_data_recipe(tmp_path, model, data, **changes):
@@ -161,7 +163,8 @@ def test_outside_support_mass():
 def test_a_label_only_in_the_held_out_data_exits_2_naming_it(tiny_bert, tmp_path, capsys, monkeypatch):
     train = write_jsonl(tmp_path / "train.jsonl", labelled({"a": 6, "b": 6}))
     held = write_jsonl(tmp_path / "held.jsonl", labelled({"a": 2, "ghost": 1, "b": 1, "phantom": 1}, start=50))
-    path = own_data_recipe(tmp_path, tiny_bert, {"source": train, "eval_source": held, "balance": False})
+    path = own_data_recipe(tmp_path, tiny_bert, {"source": train, "eval_source": held, "balance": False,
+                                                  "train_size": None, "eval_size": None})
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load")
