@@ -26,7 +26,10 @@ from .mappings import sparse_softmax
 TRANSFORMERS_TOP_K = 50  # GenerationConfig's default top_k
 
 
-def decoders(loss: str | None, loss_options: dict[str, Any]) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+Mapping = Callable[[torch.Tensor], torch.Tensor]
+
+
+def decoders(loss: str | None, loss_options: dict[str, Any]) -> list[tuple[str, Mapping]]:
     """``(name, logits -> distribution)`` of the decoders a user of a model trained with ``loss`` would use."""
     out = [("matched", loss_mapping(loss or "cross_entropy", **(loss_options or {})))]
     if (loss or "cross_entropy") == "cross_entropy":

@@ -142,9 +142,10 @@ def load_table(source, spec: DataSpec, split: str, field: str = "source"):
         try:
             table = datasets.load_dataset(sources[0], spec.config, split=split)
         except Exception as error:  # missing dataset, no network, bad config or split
+            which = "eval_split" if field == "eval_split" else "split"
             raise RecipeError(f"cannot load dataset {sources[0]!r} (config {spec.config!r}, split {split!r}): "
-                              f"{type(error).__name__}: {error}; fix data.source / data.{field.replace('source', 'split')}"
-                              f" or use local files") from None
+                              f"{type(error).__name__}: {error}; fix data.source / data.{which} or use local "
+                              "files") from None
     return text_and_label(table, spec)
 
 
