@@ -8,7 +8,8 @@ Per predicted token, from the model's distribution ``p`` and the target ``t``:
   with ``m = (p + e_t)/2`` it depends on ``p_t`` only,
   ``JS = 1/2 [(1 - p_t) log 2 + p_t log(2 p_t / (1 + p_t))] + 1/2 [log 2 - log(1 + p_t)]``;
 - accuracy (argmax hits), the share of targets with zero probability, mean support size,
-  and cross-entropy where it is finite.
+  and cross-entropy where it is finite;
+- for a decoder ``q`` of a model trained to ``p``: the mass ``q`` puts outside ``p``'s support.
 
 ``token_stats`` computes the per-token numbers (small: 4 per token, so
 Trainer never has to keep the full logits); ``summarize`` aggregates them;
@@ -37,6 +38,15 @@ def token_stats(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     hit = (probs.argmax(-1) == target).to(probs.dtype)
     support = (probs > 0).sum(-1).to(probs.dtype)
     return torch.stack([p_t, sq_norm, hit, support], -1).float()
+
+
+def outside_support_mass(decoded: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """``[...]``: ``sum_v q_v [p_v = 0]``, the probability a decoder ``q`` gives tokens the trained ``p`` rules out.
+
+    It is the chance that one token sampled from ``q`` has probability 0 under
+    ``p`` (0 when ``q = p``: matched decoding).
+    """
+    return (decoded * (trained <= 0)).sum(-1)
 
 
 def summarize(target_prob, sq_norm, hit, support, vocab_size: int, epsilon: float = 1e-6) -> dict[str, float]:

@@ -109,9 +109,12 @@ def test_train_evaluate_generate(tiny_llama, tmp_path, capsys):
 
     assert run("evaluate", recipe, "--variant", "entmax15", "--output", out) == 0
     printed = capsys.readouterr().out
-    evaluated = json.loads(printed[printed.rindex("{\n"):printed.rindex("}") + 1])
+    evaluated = json.loads(printed[printed.index("{\n"):printed.rindex("}") + 1])
     assert evaluated["epsilon_perplexity"] == pytest.approx(results["epsilon_perplexity"], rel=1e-5)
     assert evaluated["support_size"] == pytest.approx(results["support_size"], rel=1e-5)
+    assert [d["decoder"] for d in evaluated["decoders"]] == [d["decoder"] for d in results["decoders"]]
+    assert evaluated["decoders"][1]["outside_support_mass"] == pytest.approx(
+        results["decoders"][1]["outside_support_mass"], rel=1e-5)
 
     assert run("generate", recipe, "--variant", "entmax15", "--output", out, "--set", "eval.prompts=[Hello]") == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -127,13 +130,38 @@ def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
     assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt", "results.json",
             "softmax_ce", "entmax15", "top3"} <= files
     assert not os.path.exists(str(out) + ".partial")
-    table = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + 3 and "eps-perplexity" in table[0]
+    text = (out / "report.md").read_text()
+    table = [line for line in text.split("\n\n") if line.startswith("| variant | attention")][0].splitlines()
+    assert len(table) == 2 + 3 and "eps-perplexity" in table[0]
     results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
     assert results["softmax_ce"]["zero_prob_share"] == 0 and results["softmax_ce"]["cross_entropy"] < 10
     assert results["top3"]["support_size"] == 3 and results["top3"]["sample_zero_prob_share"] == 0
     assert results["top3"]["attention_zero_share"] > 0 and results["softmax_ce"]["attention_zero_share"] == 0
     assert "=== top3" in (out / "samples.txt").read_text()
+    assert all(r["eval_examples"] == 4 for r in results.values())
+
+    # the decoder table: every variant under each distribution a user could sample it from
+    decoders = {name: {row["decoder"]: row for row in r["decoders"]} for name, r in results.items()}
+    assert list(decoders["softmax_ce"]) == ["matched", "top-k=10", "top-p=0.9", "top-k=50 (transformers default)"]
+    assert list(decoders["top3"]) == list(decoders["entmax15"]) == ["matched", "plain generate (softmax, top-k=50)"]
+    for name, rows in decoders.items():
+        matched = rows["matched"]
+        assert matched["outside_support_mass"] == 0 and matched["tokens"] == results[name]["tokens"]
+        for key in ("epsilon_perplexity", "sparsemax_score", "jensen_shannon", "zero_prob_share", "support_size"):
+            assert matched[key] == pytest.approx(results[name][key], rel=1e-4, abs=1e-6), (name, key)
+    assert all(row["outside_support_mass"] == 0 for row in decoders["softmax_ce"].values())
+    assert decoders["softmax_ce"]["top-k=10"]["support_size"] == 10
+    assert decoders["softmax_ce"]["top-k=50 (transformers default)"]["support_size"] == 50
+    assert decoders["softmax_ce"]["top-k=10"]["zero_prob_share"] > 0 == decoders["softmax_ce"]["matched"][
+        "zero_prob_share"]
+    for name in ("top3", "entmax15"):
+        plain = decoders[name]["plain generate (softmax, top-k=50)"]
+        assert plain["support_size"] == 50 and 0 <= plain["outside_support_mass"] < 1
+    # top-50 keeps 47 tokens the top-3 loss rules out (the tiny entmax15 keeps ~97 of 105: top-50 stays inside)
+    assert decoders["top3"]["plain generate (softmax, top-k=50)"]["outside_support_mass"] > 0.5
+    rows = [line for line in text.split("\n\n") if line.startswith("| variant | decoder")][0].splitlines()
+    assert len(rows) == 2 + 4 + 2 + 2 and "mass outside trained support" in rows[0]
+    assert sum(row.startswith("| softmax_ce | top-p=0.9 |") for row in rows) == 1
 
 
 def test_resume_continues_from_the_last_checkpoint(tiny_llama, tmp_path, monkeypatch):

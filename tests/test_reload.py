@@ -291,7 +291,7 @@ def test_trained_variant_evaluates_as_the_in_memory_model(tmp_path, tmp_path_fac
     capsys.readouterr()
     assert run("evaluate", recipe, "--variant", "learned", "--output", out) == 0
     printed = capsys.readouterr().out
-    evaluated = json.loads(printed[printed.rindex("{\n"):printed.rindex("}") + 1])
+    evaluated = json.loads(printed[printed.index("{\n"):printed.rindex("}") + 1])
     for key in ("eval_loss", "epsilon_perplexity", "sparsemax_score", "support_size"):
         assert evaluated[key] == pytest.approx(trained[key], rel=1e-6, abs=1e-7), key
 

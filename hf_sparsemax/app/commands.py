@@ -145,6 +145,7 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels)
         if recipe.task == "causal_lm":
+            results["decoders"] = score_decoders(trainer.model, recipe, variant, eval_set)
             results.update(runner.sample(trainer.model, tokenizer, recipe))
             if heatmap:
                 from .report import zero_share
@@ -156,6 +157,15 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     del trainer, model
     gc.collect()
     return results, attention
+
+
+def score_decoders(model, recipe: Recipe, variant: Variant, eval_set) -> list[dict[str, Any]]:
+    """The held-out metrics of every decoder a user could sample ``variant`` with (:mod:`.decoders`)."""
+    from .decoders import score_decoders as score
+    from .patch import base_model
+
+    return score(model, eval_set, variant.loss, variant.loss_options, base_model(model).config.vocab_size,
+                 epsilon=recipe.eval.epsilon, batch_size=recipe.eval.batch_size)
 
 
 def describe(name: str | None, options: dict[str, Any]) -> str:
@@ -199,6 +209,8 @@ def evaluate_command(recipe: Recipe, variant_name: str | None, output: str | Non
                                       num_labels=len(info["labels"]) if info["labels"] else None,
                                       custom_loss=custom_loss)
         results = runner.evaluate(trainer)
+        if recipe.task == "causal_lm":
+            results["decoders"] = score_decoders(model, recipe, trained, eval_set)
         update_results(folder, results)
     return {"variant": trained.name, "folder": folder, **results}
 
@@ -277,6 +289,9 @@ def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: 
             report.plot_attention(maps, os.path.join(work, "attention_heatmap.png"), layer, recipe.eval.heatmap_head)
             figures.append("attention_heatmap.png")
             report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
+        if recipe.task == "sequence_classification" and report.plot_confusion(
+                results, os.path.join(work, "confusion_matrix.png")):
+            figures.append("confusion_matrix.png")
         report.write_report(work, recipe, results, seconds, figures)
         runner.write_json(os.path.join(work, "results.json"), results)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())

@@ -78,7 +78,15 @@ class DataSpec:
     (``eval_fraction``), so the split does not depend on sizes or order.
     Causal LM: entries are packed into blocks of ``block_size`` tokens;
     ``train_size`` / ``eval_size`` count blocks. Classification: they count
-    examples per label (balanced), truncated to ``max_length`` tokens.
+    examples per label with ``balance: true`` (the default), examples in all
+    with ``balance: false`` (the natural label distribution), truncated to
+    ``max_length`` tokens. ``null`` sizes take every entry.
+
+    Your own held-out data: ``eval_source`` (local file(s), read like
+    ``source``) or, for a ``datasets`` name, ``eval_split``. Then there is no
+    hash split: every ``source`` entry trains, and the held-out entries are
+    used as given, in their order, without the ``min_chars`` / ``max_chars``
+    filter.
     """
 
     source: Any = "fortunes"
@@ -89,9 +97,12 @@ class DataSpec:
     label_field: str = "label"
     block_size: int = 64
     max_length: int = 128
-    train_size: int = 256
-    eval_size: int = 32
+    train_size: int | None = 256
+    eval_size: int | None = 32
     eval_fraction: float = 0.1
+    eval_source: Any = None
+    eval_split: str | None = None
+    balance: bool = True
     min_chars: int = 1
     max_chars: int | None = None
     seed: int = 0
@@ -103,8 +114,24 @@ class DataSpec:
             raise RecipeError(f"data.source must be 'fortunes', a dataset name or file path(s), got {self.source!r}")
         for name in ("block_size", "max_length", "train_size", "eval_size"):
             value = getattr(self, name)
+            if value is None and name in ("train_size", "eval_size"):
+                continue  # every entry
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RecipeError(f"data.{name} must be a positive integer, got {value!r}")
+                raise RecipeError(f"data.{name} must be a positive integer"
+                                  f"{' or null (every entry)' if name.endswith('_size') else ''}, got {value!r}")
+        if isinstance(self.eval_source, (list, tuple)) and self.eval_source and all(
+                isinstance(s, str) and s for s in self.eval_source):
+            self.eval_source = [str(s) for s in self.eval_source]
+        elif self.eval_source is not None and (not isinstance(self.eval_source, str) or not self.eval_source):
+            raise RecipeError(f"data.eval_source must be held-out file path(s) or null, got {self.eval_source!r}")
+        if self.eval_split is not None and (not isinstance(self.eval_split, str) or not self.eval_split):
+            raise RecipeError(f"data.eval_split must be a split name of the data.source dataset or null, "
+                              f"got {self.eval_split!r}")
+        if self.eval_source is not None and self.eval_split is not None:
+            raise RecipeError("data.eval_source and data.eval_split both name held-out data: keep one")
+        if not isinstance(self.balance, bool):
+            raise RecipeError(f"data.balance must be true (per-label counts) or false (natural label "
+                              f"distribution), got {self.balance!r}")
         if not 0 < float(self.eval_fraction) < 1:
             raise RecipeError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction!r}")
 

@@ -62,6 +62,66 @@ def results_table(results: list[dict[str, Any]], task: str) -> str:
     return "\n".join(lines)
 
 
+DECODER_COLUMNS = [
+    ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
+    ("sparsemax_score", "sparsemax score", "{:.4f}"),
+    ("jensen_shannon", "Jensen-Shannon", "{:.4f}"),
+    ("accuracy", "token accuracy", "{:.3f}"),
+    ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
+    ("support_size", "mean support", "{:.1f}"),
+    ("outside_support_mass", "mass outside trained support", "{:.4f}"),
+]
+
+
+def decoder_table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table: one row per (variant, decoder) of each variant's ``decoders`` results."""
+    lines = ["| variant | decoder | " + " | ".join(h for _, h, _ in DECODER_COLUMNS) + " |",
+             "|---|---|" + "---:|" * len(DECODER_COLUMNS)]
+    for r in results:
+        for row in r.get("decoders", []):
+            lines.append(f"| {r['variant']} | {row['decoder']} | "
+                         + " | ".join(cell(row.get(k), f) for k, _, f in DECODER_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot_confusion(results: list[dict[str, Any]], path: str) -> bool:
+    """One confusion matrix per variant (rows: true label, columns: predicted), colour = share of the row.
+
+    Returns False (no file) when no result holds a confusion matrix (results written by an older version).
+    """
+    shown = [r for r in results if r.get("confusion_matrix")]
+    if not shown:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(shown[0]["class_names"])
+    side = max(3.5, 0.22 * n + 2.5)
+    fig, axes = plt.subplots(1, len(shown), figsize=(side * len(shown), side), squeeze=False)
+    for ax, r in zip(axes[0], shown):
+        matrix = np.asarray(r["confusion_matrix"], dtype=np.float64)
+        share = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
+        ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+        names = r["class_names"]
+        ax.set_xticks(range(n), names, rotation=90, fontsize=7 if n > 12 else 9)
+        ax.set_yticks(range(n), names, fontsize=7 if n > 12 else 9)
+        if n <= 12:
+            for i in range(n):
+                for j in range(n):
+                    ax.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if share[i, j] > 0.5 else "black")
+        ax.set_xlabel("predicted")
+        ax.set_ylabel("true")
+        ax.set_title(f"{r['variant']}: accuracy {r.get('accuracy', float('nan')):.3f}, "
+                     f"macro-F1 {r.get('macro_f1', float('nan')):.3f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_loss_curves(histories: dict[str, list[dict[str, Any]]], path: str) -> None:
     """Training loss per step, one panel per variant (the losses have different scales)."""
     import matplotlib
@@ -130,7 +190,9 @@ def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: fl
              f"Model `{recipe.model}`, task `{recipe.task}`, data `{recipe.data.source}`"
              f"{' ' + str(recipe.data.categories) if recipe.data.categories else ''}; "
              f"{'LoRA ' + str(recipe.lora) if recipe.lora is not None else 'full fine-tuning'}; "
-             f"wall-clock {seconds:.0f} s (model loading included).", "",
+             f"wall-clock {seconds:.0f} s (model loading included); held-out examples scored: "
+             f"{results[0].get('eval_examples', '?') if results else 0}"
+             f"{' blocks' if recipe.task == 'causal_lm' else ''}.", "",
              results_table(results, recipe.task), ""]
     if recipe.task == "causal_lm":
         lines += ["Held-out metrics are computed under each model's own distribution (the mapping its loss "
@@ -139,6 +201,16 @@ def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: fl
                   "Jensen-Shannon stay finite. `sampled p=0 share`: tokens drawn by matched decoding that the "
                   "training distribution gives probability 0 (0 when decoding matches training). Final train "
                   "losses are each variant's own loss and are not comparable across losses.", ""]
+    if any(r.get("decoders") for r in results):
+        lines += ["## Decoders a user would use", "",
+                  "Each trained variant scored under every distribution it could be sampled from, on the same "
+                  "held-out blocks: `matched` is the distribution its loss trains (what this library's `generate` "
+                  "samples); a softmax-trained model also under top-k=10, top-p=0.9 and transformers' default "
+                  "top_k=50, each renormalised over the kept tokens; a sparse-trained model also under plain "
+                  "`generate` without this library (softmax of the raw logits, top_k=50). `mass outside trained "
+                  "support`: the probability that decoder gives tokens the trained distribution rules out (p = 0), "
+                  "averaged over held-out positions; the chance a sampled token is one training excluded.", "",
+                  decoder_table(results), ""]
     for figure in figures:
         lines += [f"![{figure}]({figure})", ""]
     if recipe.task == "causal_lm":

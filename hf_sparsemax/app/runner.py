@@ -189,8 +189,12 @@ def variant_mapping(variant: Variant):
     return loss_mapping(variant.loss or "cross_entropy", **variant.loss_options)
 
 
-def classification_metrics(mapping, num_labels: int, epsilon: float):
-    """``(preprocess, compute)`` for Trainer: accuracy, macro-F1 and the sparse metrics of the model's mapping."""
+def classification_metrics(mapping, num_labels: int, epsilon: float, keep: dict | None = None):
+    """``(preprocess, compute)`` for Trainer: accuracy, macro-F1 and the sparse metrics of the model's mapping.
+
+    ``keep`` (a dict), if given, receives the last evaluation's ``predicted`` and ``labels`` arrays, from
+    which :func:`evaluate` adds per-class scores and the confusion matrix to the results.
+    """
 
     def preprocess(logits, labels):
         logits = logits[0] if isinstance(logits, tuple) else logits
@@ -204,18 +208,48 @@ def classification_metrics(mapping, num_labels: int, epsilon: float):
         predicted = stats[:, -1].astype(int)
         out["accuracy"] = float((predicted == labels).mean())
         out["macro_f1"] = macro_f1(predicted, labels, num_labels)
+        if keep is not None:
+            keep.update(predicted=predicted, labels=labels.astype(int))
         return out
 
     return preprocess, compute
 
 
+def confusion_matrix(predicted: np.ndarray, labels: np.ndarray, num_labels: int) -> np.ndarray:
+    """``[true class, predicted class]`` counts."""
+    matrix = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(matrix, (labels, predicted), 1)
+    return matrix
+
+
+def class_scores(predicted: np.ndarray, labels: np.ndarray, num_labels: int) -> dict[str, np.ndarray]:
+    """Per class ``c``: precision ``tp / (tp + fp)``, recall ``tp / (tp + fn)``, F1 ``2 tp / (2 tp + fp + fn)``
+    (each 0 where its denominator is 0), support (held-out examples of ``c``) and predicted counts."""
+    matrix = confusion_matrix(predicted, labels, num_labels)
+    tp = np.diag(matrix).astype(np.float64)
+    support, predicted_count = matrix.sum(1), matrix.sum(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        precision = np.where(predicted_count > 0, tp / predicted_count, 0.0)
+        recall = np.where(support > 0, tp / support, 0.0)
+        f1 = np.where(support + predicted_count > 0, 2 * tp / (support + predicted_count), 0.0)
+    return {"precision": precision, "recall": recall, "f1": f1, "support": support, "predicted": predicted_count}
+
+
 def macro_f1(predicted: np.ndarray, labels: np.ndarray, num_labels: int) -> float:
-    scores = []
-    for c in range(num_labels):
-        tp = np.sum((predicted == c) & (labels == c))
-        fp, fn = np.sum((predicted == c) & (labels != c)), np.sum((predicted != c) & (labels == c))
-        scores.append(0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn))
-    return float(np.mean(scores))
+    """Mean F1 over the classes that occur among the held-out labels or the predictions (as scikit-learn)."""
+    scores = class_scores(predicted, labels, num_labels)
+    present = (scores["support"] + scores["predicted"]) > 0
+    return float(scores["f1"][present].mean())
+
+
+def per_class(predicted: np.ndarray, labels: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """``per_class`` (label name -> precision / recall / f1 / support) and ``confusion_matrix`` for results."""
+    scores = class_scores(predicted, labels, len(names))
+    table = {name: {"precision": float(scores["precision"][c]), "recall": float(scores["recall"][c]),
+                    "f1": float(scores["f1"][c]), "support": int(scores["support"][c])}
+             for c, name in enumerate(names)}
+    return {"per_class": table, "class_names": list(names),
+            "confusion_matrix": confusion_matrix(predicted, labels, len(names)).tolist()}
 
 
 def training_arguments(recipe: Recipe, variant: Variant, output_dir: str):
@@ -233,8 +267,10 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
     from transformers import DataCollatorWithPadding, Trainer, default_data_collator
 
     args = training_arguments(recipe, variant, os.path.join(work_dir, "checkpoints"))
+    kept: dict[str, np.ndarray] = {}
     if recipe.task == "sequence_classification":
-        preprocess, compute = classification_metrics(variant_mapping(variant), num_labels, recipe.eval.epsilon)
+        preprocess, compute = classification_metrics(variant_mapping(variant), num_labels, recipe.eval.epsilon,
+                                                      kept)
         collator = DataCollatorWithPadding(tokenizer)
     else:
         vocab = base_model(model).config.vocab_size
@@ -242,9 +278,11 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
                                                       epsilon=recipe.eval.epsilon)
         collator = default_data_collator
     args.per_device_eval_batch_size = recipe.eval.batch_size
-    return Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, data_collator=collator,
-                   processing_class=tokenizer, compute_loss_func=custom_loss,
-                   preprocess_logits_for_metrics=preprocess, compute_metrics=compute)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                      data_collator=collator, processing_class=tokenizer, compute_loss_func=custom_loss,
+                      preprocess_logits_for_metrics=preprocess, compute_metrics=compute)
+    trainer.hf_sparsemax_predictions = kept  # classification: filled by each evaluation (see evaluate)
+    return trainer
 
 
 def last_checkpoint(work_dir: str) -> str | None:
@@ -269,9 +307,18 @@ def train(trainer, work_dir: str, resume: bool) -> dict[str, Any]:
             "resumed_from": os.path.basename(checkpoint) if checkpoint else None}
 
 
-def evaluate(trainer) -> dict[str, float]:
+def evaluate(trainer) -> dict[str, Any]:
+    """Held-out metrics; ``eval_examples`` counts the examples scored (causal LM: blocks); classification
+    adds per-class precision / recall / F1 and the confusion matrix (:func:`per_class`)."""
     out = trainer.evaluate()
-    return {("eval_loss" if k == "eval_loss" else k.removeprefix("eval_")): v for k, v in out.items()}
+    results = {("eval_loss" if k == "eval_loss" else k.removeprefix("eval_")): v for k, v in out.items()}
+    results["eval_examples"] = len(trainer.eval_dataset)
+    kept = getattr(trainer, "hf_sparsemax_predictions", None)
+    if kept:
+        config = base_model(trainer.model).config
+        names = [config.id2label[i] for i in range(config.num_labels)]
+        results.update(per_class(kept["predicted"], kept["labels"], names))
+    return results
 
 
 def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
