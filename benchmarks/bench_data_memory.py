@@ -2,7 +2,7 @@
 
 Writes a jsonl of random word entries (``--mb`` megabytes, words from the
 offline fortunes), then, in a fresh process each, builds the train / held-out
-blocks with ``hf_sparsemax.recipe_data.causal_lm_datasets`` (SmolLM2's
+blocks with ``hf_sparsemax.app.recipe_data.causal_lm_datasets`` (SmolLM2's
 tokenizer, ``block_size`` 128, sizes ``null``: every block) and prints the
 peak RSS against the RSS before any data was read.
 
@@ -23,7 +23,7 @@ import time
 
 
 def write_jsonl(path: str, megabytes: float) -> None:
-    from hf_sparsemax import assets
+    from hf_sparsemax.app import assets
 
     words = " ".join(assets.fortunes("fortunes")).split()
     rng = random.Random(0)
@@ -36,9 +36,9 @@ def write_jsonl(path: str, megabytes: float) -> None:
 
 
 def measure(path: str) -> None:
-    from hf_sparsemax.recipe_data import causal_lm_datasets
-    from hf_sparsemax.recipes import DataSpec, Recipe
-    from hf_sparsemax.runner import load_tokenizer
+    from hf_sparsemax.app.recipe_data import causal_lm_datasets
+    from hf_sparsemax.app.recipes import DataSpec, Recipe
+    from hf_sparsemax.app.runner import load_tokenizer
 
     tokenizer = load_tokenizer(Recipe())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
