@@ -180,7 +180,8 @@ def test_without_the_plugin_sparse_attention_fails_loudly_and_a_sparse_loss_says
         "model = AutoModelForCausalLM.from_pretrained(folder)\n"
         f"ids, mask = torch.tensor({IDS.tolist()}), torch.tensor({MASK.tolist()})\n"
         "expected = torch.load(folder + '/../logits.pt')\n"
-        "assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)\n"
+        "got = model(input_ids=ids, attention_mask=mask).logits\n"
+        "assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()\n"  # another process: threads may reduce in another order
         "print(json.dumps({'config': model.config.hf_sparsemax, 'generation': model.generation_config.hf_sparsemax}))\n"
     )
     loaded = without_plugin(tmp_path / "loss", code)
