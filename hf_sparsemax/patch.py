@@ -22,16 +22,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-from ._model import TASKS, base_model, model_task, remove_instance_method, routes_loss_function, set_instance_method
+from ._model import base_model, model_task, remove_instance_method, routes_loss_function, set_instance_method
 from .attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, LearnedAlpha, check_supported, num_heads
 from .fused import fused_head_loss
 from .fused_heads import head_transform, head_values, router_refusal
 from .generation import install_matched_generate, remove_matched_generate
-from .losses import make_loss
+from .loss_names import make_loss
 from .margin import head_linears, install_cosine_head, remove_cosine_head
 from .mappings import registry
-from .reload import clear as clear_load_marks
-from .reload import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
+from .load_marks import clear as clear_load_marks
+from .load_marks import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
 from .trl_support import install_token_outputs, remove_token_outputs
 

@@ -50,28 +50,13 @@ to restore.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
-from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .attention import ALPHA_ATTR
-from .settings import CONFIG_KEY, SparseSettings
-
-METHOD = "hf_sparsemax"  # the quant_method naming the load hook
-NOTE = "not a quantization: transformers' load hook that hf_sparsemax uses to restore its sparse attention and loss"
-TAG = "hf_sparsemax"
-
-
-class SparseLoadConfig(QuantizationConfigMixin):
-    """The ``quantization_config`` entry that makes ``from_pretrained`` call :class:`SparseLoader`."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.quant_method = METHOD
-        self.dequantize = True  # transformers drops the quantizer marks after loading
-        self.note = NOTE
-
+from .load_marks import METHOD, SparseLoadConfig
+from .settings import SparseSettings
 
 class SparseLoader(HfQuantizer):
     """Restores a saved hf_sparsemax model while ``from_pretrained`` loads it (quantizes nothing)."""
@@ -157,99 +142,3 @@ def remove_load_hook() -> None:
         del AUTO_QUANTIZATION_CONFIG_MAPPING[METHOD]
     if AUTO_QUANTIZER_MAPPING.get(METHOD) is SparseLoader:
         del AUTO_QUANTIZER_MAPPING[METHOD]
-
-
-def decoding_note(settings: SparseSettings) -> str | None:
-    """How to sample from what the loss trained (``None`` for cross-entropy)."""
-    from .generation import processor_for
-
-    processor = processor_for(settings.loss, settings.loss_options)
-    if processor is None:
-        return None
-    options = {k: v for k, v in settings.loss_options.items() if k != "fused"}
-    shown = "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else ""
-    text = (
-        f"trained with the {settings.loss}{shown} loss: sample from its distribution. "
-        "`import hf_sparsemax` before loading (generate(do_sample=True) then matches), or pass "
-        f"generate(logits_processor=[hf_sparsemax.{processor!r}], top_k=0, top_p=1.0, do_sample=True)."
-    )
-    if settings.loss == "sparse_softmax":
-        text += (
-            f" Plain transformers samples the same distribution with generate(do_sample=True, "
-            f"top_k={options.get('top_k') or 0}, top_p={options.get('top_p') or 1.0})."
-        )
-    return text
-
-
-def mark(model, settings: SparseSettings) -> None:
-    """Write the load marks of ``settings`` into ``model``'s config, generation config and tags."""
-    clear(model)
-    if settings.is_default:
-        return
-    config = model.config
-    note = decoding_note(settings)
-    if note is not None:
-        getattr(config, CONFIG_KEY)["decoding"] = note
-    if settings.attention_options is not None:
-        config.attn_implementation = settings.attn
-    other = getattr(config, "quantization_config", None)
-    if other is None:
-        config.quantization_config = SparseLoadConfig()
-    else:  # a really quantized model keeps its own entry; transformers allows one
-        warnings.warn(
-            "this model is quantized, so its saved folder cannot name hf_sparsemax's load hook: after "
-            "from_pretrained of it, call hf_sparsemax.patch_model(model) to restore the saved settings",
-            stacklevel=3,
-        )
-    tags = [TAG]
-    if settings.attention_options is not None:
-        tags.append(f"sparse-attention-{settings.attn}")
-    if note is not None:
-        tags.append(f"sparse-loss-{settings.loss}")
-        generation = getattr(model, "generation_config", None)
-        if generation is not None:
-            options = dict(sorted(settings.loss_options.items()))
-            generation.hf_sparsemax = {"loss": settings.loss, "loss_options": options, "decoding": note}
-            generation._from_model_config = False  # else transformers drops the entry when loading
-    model.add_model_tags(tags)
-
-
-def is_load_hook_entry(entry) -> bool:
-    """Whether a ``quantization_config`` is this module's (a dict when it was loaded without hf_sparsemax)."""
-    return isinstance(entry, SparseLoadConfig) or (isinstance(entry, dict) and entry.get("quant_method") == METHOD)
-
-
-def clear(model) -> None:
-    """Remove what :func:`mark` wrote."""
-    config = model.config
-    if is_load_hook_entry(getattr(config, "quantization_config", None)):
-        del config.quantization_config
-    if "attn_implementation" in vars(config):
-        del config.attn_implementation
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and "hf_sparsemax" in vars(generation):
-        del generation.hf_sparsemax
-    if model.model_tags:
-        ours = (TAG, "sparse-loss-", "sparse-attention-")
-        model.model_tags = [tag for tag in model.model_tags if not tag.startswith(ours)]
-
-
-def keep_alpha_with_adapter(model) -> None:
-    """List the learned alphas in the active adapter's ``modules_to_save`` (peft saves and restores them)."""
-    from peft.tuners.tuners_utils import BaseTuner
-    from peft.utils.other import set_additional_trainable_modules
-
-    adapter = model.active_adapter
-    config = model.peft_config[adapter]
-    names = list(config.modules_to_save or [])
-    if ALPHA_ATTR not in names:
-        config.modules_to_save = [*names, ALPHA_ATTR]
-    set_additional_trainable_modules(model.base_model, config, BaseTuner.get_model_config(model), adapter)
-
-
-def release_alpha_from_adapter(model) -> None:
-    """Undo :func:`keep_alpha_with_adapter` in every adapter's config (the alpha modules themselves are gone)."""
-    for config in model.peft_config.values():
-        names = getattr(config, "modules_to_save", None)
-        if names and ALPHA_ATTR in names:
-            config.modules_to_save = [name for name in names if name != ALPHA_ATTR] or None
