@@ -8,10 +8,10 @@ from .losses import (
     SparseSoftmaxLoss,
     entmax15_loss,
     entmax_bisect_loss,
-    mapping_loss,
     sparse_softmax_loss,
     sparsemax_loss,
 )
+from .loss_names import mapping_loss
 from .likelihood import perturb_max_loss, taylor_softmax_loss
 from .margin import am_softmax_loss
 from .generation import (

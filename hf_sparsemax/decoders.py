@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import metrics
-from .losses import loss_mapping
+from .loss_names import loss_mapping
 from .mappings import sparse_softmax
 
 TRANSFORMERS_TOP_K = 50  # GenerationConfig's default top_k

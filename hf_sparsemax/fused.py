@@ -43,7 +43,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .losses import fenchel_young_items, make_loss
+from .loss_names import make_loss
+from .losses import fenchel_young_items
 from .mappings import registry
 from .mappings._core import masked_below, work_dtype
 from .mappings.entmax import precise_in_float32

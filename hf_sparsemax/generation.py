@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ._model import base_model, remove_instance_method, set_instance_method
-from .losses import loss_mapping
+from .loss_names import loss_mapping
 from .mappings import registry
 from .settings import SparseSettings
 

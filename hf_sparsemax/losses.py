@@ -24,7 +24,6 @@ synchronises with the device except target validation on CPU tensors.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -202,20 +201,15 @@ def entmax_bisect_loss(
     return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor)
 
 
-def mapping_loss(
-    logits, target, mapping: str | Callable[[torch.Tensor], torch.Tensor], ignore_index: int = -100,
-    reduction: str = "mean", **options
+def callable_mapping_loss(
+    logits, target, mapping: Callable[[torch.Tensor], torch.Tensor], ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """``(stop_gradient(p) - e_t) . x`` with ``p = mapping(x)`` along the last dim: gradient ``p - e_t``.
 
-    ``mapping`` is a callable or a registered name (``"sparsemax"``,
-    ``"taylor_softmax"``, ...), whose ``options`` may be given as keywords.
-    A training loss for any mapping; the value is not comparable across
-    mappings (it can be negative), so log a quality metric beside it.
+    The engine of :func:`hf_sparsemax.mapping_loss` (which also takes a
+    registered name); the value is not comparable across mappings.
     """
-    from .mappings.registry import mapping_function
-
-    mapping = mapping_function(mapping, **options)
 
     def items_fn(rows, t, masked):
         with torch.no_grad():
@@ -278,47 +272,3 @@ class EntmaxBisectLoss(_LossModule):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return entmax_bisect_loss(logits, target, self.alpha, self.ignore_index, self.reduction)
-
-
-def __getattr__(name: str):
-    """``LOSS_FUNCTIONS`` / ``LOSS_OPTIONS`` (name -> loss / option names), read from the registry of mappings."""
-    from .mappings import registry
-
-    if name == "LOSS_FUNCTIONS":
-        return {n: registry.REGISTRY[n].loss for n in registry.names("loss")}
-    if name == "LOSS_OPTIONS":
-        return {n: (*(f.name for f in dataclasses.fields(registry.REGISTRY[n].options)), "fused")
-                for n in registry.names("loss")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def make_loss(name: str, **options) -> Callable[..., torch.Tensor]:
-    """``loss(logits, target, ignore_index=-100, reduction="mean")`` for a registered loss name and its options.
-
-    The option ``fused`` is validated here and otherwise ignored: it tells
-    :func:`~hf_sparsemax.patch_model` where to compute the loss, not what it is.
-    """
-    from .mappings import registry
-
-    entry, parsed, _ = registry.loss_options(name, options)
-    fn, values = entry.loss, registry.option_values(parsed)
-
-    def loss(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-        return fn(logits, target, ignore_index=ignore_index, reduction=reduction, **values)
-
-    loss.__name__ = f"{name}_loss"
-    return loss
-
-
-def loss_mapping(name: str, **options) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The distribution a loss trains, as a mapping over the last dim (cross-entropy: softmax).
-
-    Evaluation metrics and decoding use it, so they see what training saw.
-    """
-    from .mappings import registry
-    from .mappings import sparse_softmax
-
-    if name == "cross_entropy":
-        return lambda x: sparse_softmax(x)
-    entry, parsed, _ = registry.loss_options(name, options)
-    return entry.distribution(parsed)

@@ -53,7 +53,8 @@ from transformers.utils import ModelOutput
 from ._model import remove_instance_method
 from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
 from .fused_heads import head_transform, head_values
-from .losses import loss_mapping, make_loss, safe_target
+from .loss_names import loss_mapping, make_loss
+from .losses import safe_target
 from .mappings import registry
 from .mappings._core import masked_below, work_dtype
 from .settings import SparseSettings

@@ -77,21 +77,12 @@ def module_name(path):
     return name.removesuffix(".__init__")
 
 
-# Back-edges taken by a lazy import inside a function, each for a reason: the load hook re-applies saved
-# settings through patch_model (the orchestrator); make_loss / loss_mapping read the registry, whose entries
-# name the loss functions. Any other cycle, lazy or not, fails the test below.
-LAZY_BACK_EDGES = {("hf_sparsemax.reload", "hf_sparsemax.patch"), ("hf_sparsemax.losses", "hf_sparsemax.mappings.registry")}
-
-
 def test_library_modules_import_no_cycle():
-    """No cycle among the library's imports, but for the documented lazy back-edges."""
+    """No cycle among the library's imports, lazy ones (inside functions) included."""
     modules = {module_name(p): p for p in library_files()}
     package_inits = {name for name, path in modules.items() if path.endswith("__init__.py")}
-    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and m not in package_inits
-                    and (name, m) not in LAZY_BACK_EDGES}
+    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and m not in package_inits}
              for name, path in modules.items()}
-    for source, target in LAZY_BACK_EDGES:  # still lazy: never imported when the module is
-        assert target not in imported_modules(modules[source], top_level_only=True)
 
     def cycle_from(start):
         stack, seen = [(start, [start])], set()

@@ -9,7 +9,7 @@ import torch
 
 import hf_sparsemax as hs
 from hf_sparsemax import metrics
-from hf_sparsemax.losses import loss_mapping
+from hf_sparsemax.loss_names import loss_mapping
 
 
 def direct(p, t, eps):

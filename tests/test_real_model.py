@@ -7,7 +7,7 @@ from transformers import Trainer, TrainingArguments
 import hf_sparsemax as hs
 from hf_sparsemax import metrics
 from hf_sparsemax.app import assets
-from hf_sparsemax.losses import loss_mapping
+from hf_sparsemax.loss_names import loss_mapping
 
 pytestmark = pytest.mark.slow
 BLOCK = 48

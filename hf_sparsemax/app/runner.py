@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import metrics
-from ..losses import loss_mapping
+from ..loss_names import loss_mapping
 from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .recipes import Recipe, RecipeError, Variant, one_line
 
