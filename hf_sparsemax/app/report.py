@@ -14,15 +14,18 @@ from typing import Any
 
 import numpy as np
 
-CAUSAL_COLUMNS = [  # (results key, header, format)
-    ("final_loss", "final train loss", "{:.3f}"),
-    ("cross_entropy", "held-out CE", "{:.3f}"),
+HELD_OUT_COLUMNS = [  # (results key, header, format): a causal LM under one distribution
     ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
     ("sparsemax_score", "sparsemax score", "{:.4f}"),
     ("jensen_shannon", "Jensen-Shannon", "{:.4f}"),
     ("accuracy", "token accuracy", "{:.3f}"),
     ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
     ("support_size", "mean support", "{:.1f}"),
+]
+CAUSAL_COLUMNS = [
+    ("final_loss", "final train loss", "{:.3f}"),
+    ("cross_entropy", "held-out CE", "{:.3f}"),
+    *HELD_OUT_COLUMNS,
     ("sample_zero_prob_share", "sampled p=0 share", "{:.3f}"),
     ("attention_zero_share", "attention zeros", "{:.0%}"),
     ("train_seconds", "train s", "{:.0f}"),
@@ -63,12 +66,7 @@ def results_table(results: list[dict[str, Any]], task: str) -> str:
 
 
 DECODER_COLUMNS = [
-    ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
-    ("sparsemax_score", "sparsemax score", "{:.4f}"),
-    ("jensen_shannon", "Jensen-Shannon", "{:.4f}"),
-    ("accuracy", "token accuracy", "{:.3f}"),
-    ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
-    ("support_size", "mean support", "{:.1f}"),
+    *HELD_OUT_COLUMNS,
     ("outside_support_mass", "mass outside trained support", "{:.4f}"),
 ]
 
