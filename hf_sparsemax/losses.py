@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .mappings import _sync_free
 from .mappings._core import masked_below, to_rows
 from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, precise_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
@@ -53,7 +54,8 @@ def safe_target(target: torch.Tensor, num_classes: int, ignore_index: int) -> tu
     """``(target with ignored items set to 0, kept mask)``; out-of-range targets raise on CPU."""
     target = target.reshape(-1).long()
     kept = target != ignore_index
-    if target.device.type == "cpu" and bool(((target < 0) | (target >= num_classes))[kept].any()):
+    outside = ((target < 0) | (target >= num_classes)) & kept  # a mask, not an index: no data-dependent shape
+    if target.device.type == "cpu" and not torch.compiler.is_compiling() and bool(outside.any()):
         raise ValueError(f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}")
     return torch.where(kept, target, 0), kept
 
@@ -193,6 +195,12 @@ def entmax_bisect_loss(
 
     def items_fn(rows, t, masked):
         a = per_item.to(rows.device) if isinstance(per_item, torch.Tensor) else per_item
+        if isinstance(a, torch.Tensor) and rows.dtype != torch.float64 and torch.compiler.is_compiling():
+            def solve(work, a_work, t):  # float32 or float64, chosen in the graph (no host sync)
+                p, tau = entmax_bisect_rows(work, a_work, masked)
+                return p, fenchel_young_items(p, tau, a_work, work, t)
+
+            return _sync_free.in_precise_dtype(solve, rows, a.to(rows.dtype), t)
         work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
         a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
         p, tau = entmax_bisect_rows(work, a_work, masked)

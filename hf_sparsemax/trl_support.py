@@ -43,6 +43,7 @@ RLOO) receive the same fields; only ``SFTTrainer`` is checked here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 
@@ -107,8 +108,8 @@ def install_token_outputs(model) -> None:
     below = vars(model).get("forward")
 
     def forward(self, *args, **kwargs):
-        if below is None:
-            call_below = type(self).forward.__get__(self)
+        if below is None:  # a partial, not a bound method: dynamo rebuilds that as ``self.forward`` (this wrapper)
+            call_below = functools.partial(type(self).forward, self)
         elif isinstance(below, types.MethodType) and below.__self__ is model:  # our fused forward: on self's weights
             call_below = types.MethodType(below.__func__, self)
         else:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from . import _sync_free
+
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
 DENSE_MAX_ITER = 50
 DENSE_TOLERANCE = 1e-7  # on tau - max z, in [-1, 0]: float32 resolution of the passes
@@ -115,6 +117,8 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     Fully masked rows get ``m = 0, tau = +inf`` (so ``relu(x - tau)`` is 0);
     rows holding NaN or ``+inf`` get ``tau = NaN``.
     """
+    if torch.compiler.is_compiling():
+        return (*_sync_free.solve_on_top(rows, solve, k0, masked, *row_args),)
     n_rows, n = rows.shape
     k = min(k0, n)
     top = rows.topk(k, dim=-1).values.double()
@@ -183,6 +187,8 @@ def dense_solve_block(rows: torch.Tensor, alpha: float, masked: float):
 
 def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):
     """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
+    if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
+        return _sync_free.find_threshold(rows, masked, alpha, solve, k0, *row_args)
     if rows.shape[-1] <= SHORT_ROWS and not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
         return dense_solve(rows, alpha, masked)
     return solve_on_top(rows, solve, k0, masked, *row_args)
@@ -201,6 +207,8 @@ def threshold_map(
     and alpha-entmax (alpha - 1, 1/(alpha - 1)). ``shift``, ``tau`` and tensor
     ``scale`` / ``power`` are ``[rows, 1]``.
     """
+    if torch.compiler.is_compiling():
+        return _sync_free.threshold_map(rows, shift, tau, scale, power)
     out = torch.empty_like(rows)
     tau = tau.to(rows.dtype)
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))

@@ -28,6 +28,7 @@ import numbers
 
 import torch
 
+from . import _sync_free
 from ._core import (
     SupportMapping,
     check_input,
@@ -82,6 +83,8 @@ def bisect_solve(
     ``beta >= 1`` (alpha <= 2: ``h`` convex) and land inside the bracket;
     bisection otherwise.
     """
+    if torch.compiler.is_compiling():  # a fixed number of steps, no convergence test
+        return _sync_free.bisect_solve(top, valid, alpha, n_iter)
     am1 = alpha.double() - 1 if isinstance(alpha, torch.Tensor) else alpha - 1
     beta = 1 / am1
     newton_rows = beta >= 1
@@ -159,25 +162,31 @@ class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
         alpha_rows = row_alpha(alpha, x, dim) if isinstance(alpha, torch.Tensor) else alpha
-        upcast = x.dtype != torch.float64 and not precise_in_float32(alpha_rows)
+        masked = masked_below(x.dtype)
+        choose_in_graph = torch.compiler.is_compiling() and isinstance(alpha, torch.Tensor)
+        upcast = x.dtype != torch.float64 and not choose_in_graph and not precise_in_float32(alpha_rows)
 
         def rows_fn(rows: torch.Tensor) -> torch.Tensor:
             a = alpha_rows.to(rows.device) if isinstance(alpha_rows, torch.Tensor) else alpha_rows
+            if choose_in_graph and x.dtype != torch.float64:  # float32 or float64, chosen without a host sync
+                return _sync_free.in_precise_dtype(lambda r, a: (entmax_bisect_rows(r, a, masked, n_iter)[0],), rows, a)[0]
             if upcast:
                 rows, a = rows.double(), a.double() if isinstance(a, torch.Tensor) else a
             return entmax_bisect_rows(rows, a, masked_below(x.dtype), n_iter)[0]
 
         out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
-        ctx.save_for_backward(out, alpha if ctx.alpha_is_tensor else torch.tensor(float(alpha), dtype=torch.float64))
+        ctx.alpha = None if ctx.alpha_is_tensor else alpha  # a float stays a float: no .item() in backward
+        ctx.save_for_backward(out, *((alpha,) if ctx.alpha_is_tensor else ()))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        p, alpha = ctx.saved_tensors
+        p, *saved = ctx.saved_tensors
         dtype = work_dtype(grad.dtype)
         p, g = p.to(dtype), grad.to(dtype)
-        a = alpha.to(dtype) if ctx.alpha_is_tensor else float(alpha)
+        alpha = saved[0] if ctx.alpha_is_tensor else ctx.alpha
+        a = alpha.to(dtype) if ctx.alpha_is_tensor else alpha
         weights = power(p, 2 - a)
         d_alpha = None
         if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
@@ -196,7 +205,7 @@ def check_alpha(alpha: float | torch.Tensor, dtype: torch.dtype = torch.float32)
     if isinstance(alpha, torch.Tensor):
         if not alpha.is_floating_point():
             alpha = alpha.to(dtype if dtype.is_floating_point else torch.float32)
-        if alpha.numel() and not bool((alpha > 1).all()):
+        if alpha.numel() and not torch.compiler.is_compiling() and not bool((alpha > 1).all()):  # eager check
             raise ValueError("alpha must be > 1 everywhere (alpha = 1 is softmax; use torch.softmax)")
         return alpha
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):

@@ -2,12 +2,19 @@
 
 ``p_i = exp(x_i) / sum_{j in Omega} exp(x_j)`` for ``i`` in the kept set
 ``Omega``, exactly 0 elsewhere. ``Omega`` is what transformers' decoding keeps
-with ``TopKLogitsWarper`` then ``TopPLogitsWarper``: the ``top_k`` largest
-entries (ties as ``torch.topk``), then the shortest prefix of those, by
-descending probability, whose softmax mass reaches ``top_p`` (at least one).
+with ``TopKLogitsWarper`` then ``TopPLogitsWarper``, made independent of the
+order of the entries:
 
-Jacobian: ``diag(p) - p p^T`` on ``Omega``, i.e. the shared support backward
-with weights ``s = p``.
+- ``top_k``: every entry at least the ``top_k``-th largest value (entries tied
+  with it are all kept, as ``TopKLogitsWarper`` does);
+- ``top_p``: on those, sorted descending, the shortest prefix whose softmax
+  mass reaches ``top_p`` (at least one entry), and every entry tied with the
+  last one of that prefix (transformers would cut such a tie by position).
+
+Either way ``Omega = {i : x_i >= floor}`` for one value ``floor`` per slice, so
+permuting the entries permutes the output. A slice holding NaN or ``+inf``
+maps to NaN. Jacobian: ``diag(p) - p p^T`` on ``Omega``, i.e. the shared
+support backward with weights ``s = p``.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import numbers
 import torch
 
 from ._core import SupportMapping, check_input
+from ._sync_free import special_rows
 
-NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone; more when the nucleus is larger
+NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone; whole sorted rows where the nucleus is larger
 
 
 def check_top(top_k, top_p) -> tuple[int | None, float | None]:
@@ -41,51 +49,132 @@ def masked_softmax(values: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     return e.div_(total.masked_fill(total == 0, 1.0))
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Entries (sorted descending) outside the nucleus: the mass from there on is ``<= 1 - top_p``."""
+def nucleus_floor(values: torch.Tensor, log_total: torch.Tensor, top_p: float, masked: float):
+    """``(floor, fits)`` of the ``top_p`` nucleus from the top entries ``values`` (sorted descending) of each row.
+
+    ``log_total`` is the log of the softmax normaliser of the candidate set.
+    Entry ``j`` is dropped when the mass from it on (ascending order, as
+    ``TopPLogitsWarper`` sums) is ``<= 1 - top_p``; the first entry always stays.
+    ``floor`` is the value of the last kept entry; ``fits`` says the nucleus
+    ended inside ``values``, so nothing beyond them is kept except ties with ``floor``.
+    """
+    probs = (values - log_total).exp()
     before = probs.cumsum(-1) - probs
-    drop = (1 - before) <= 1 - top_p
-    drop[:, 0] = False
-    return drop
+    drop = ((1 - before) <= 1 - top_p) | (values <= masked)
+    drop[:, 0] = values[:, 0] <= masked
+    floor = values.masked_fill(drop, float("inf")).amin(-1, keepdim=True)
+    return floor, drop[:, -1:] | ~torch.isfinite(log_total)
+
+
+def top_k_log_total(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Log-normaliser of the top-k set: ``values`` (the ``k`` largest) plus the entries tied with the ``k``-th beyond them."""
+    floor = values[:, -1:]
+    ties = (rows == floor).sum(-1, keepdim=True) - (values == floor).sum(-1, keepdim=True)
+    return torch.cat([values, floor + ties.to(rows.dtype).log()], -1).logsumexp(-1, keepdim=True)
+
+
+def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, masked: float) -> torch.Tensor:
+    """The value ``floor`` of each row (``[rows, 1]``) with ``Omega = {x >= floor}`` (``-inf`` keeps all).
+
+    ``top_p`` alone looks at the top ``NUCLEUS_CANDIDATES`` entries and sorts
+    the whole row only where the nucleus is larger (flat logits): eagerly
+    those rows alone (one host sync), compiled all rows under ``torch.cond``.
+    """
+    n = rows.shape[-1]
+    if top_k is not None and top_k < n:
+        values = rows.topk(top_k, dim=-1).values
+        if top_p is None:
+            return values[:, -1:]
+        return nucleus_floor(values, top_k_log_total(rows, values), top_p, masked)[0]
+    if top_p is None:
+        return torch.full_like(rows[:, :1], float("-inf"))
+    log_total = rows.logsumexp(-1, keepdim=True)
+    values = rows.topk(min(NUCLEUS_CANDIDATES, n), dim=-1).values
+    floor, fits = nucleus_floor(values, log_total, top_p, masked)
+    if values.shape[-1] == n:
+        return floor
+
+    def whole_rows(floor, fits, rows, log_total):
+        everything = nucleus_floor(rows.sort(dim=-1, descending=True).values, log_total, top_p, masked)[0]
+        return (torch.where(fits, floor, everything),)
+
+    if torch.compiler.is_compiling():
+        return torch.cond(~fits.all(), whole_rows, lambda f, *_: (f.clone(),), (floor, fits, rows, log_total))[0]
+    todo = (~fits).squeeze(1).nonzero().squeeze(1)
+    if todo.numel():
+        sub = rows.index_select(0, todo)
+        floor[todo] = nucleus_floor(sub.sort(dim=-1, descending=True).values, log_total[todo], top_p, masked)[0]
+    return floor
+
+
+def floor_softmax(rows: torch.Tensor, floor: torch.Tensor, masked: float) -> torch.Tensor:
+    """Softmax of each row over ``{x >= floor}`` minus masked entries; all masked: zeros; NaN / ``+inf``: NaN."""
+    top1 = rows.amax(-1, keepdim=True)
+    special = special_rows(top1, masked)
+    keep = (rows >= floor) & (rows > masked)
+    e = torch.where(keep, rows - top1.masked_fill(special, 0.0), float("-inf")).exp_()
+    total = e.sum(-1, keepdim=True)
+    out = e.div_(total.masked_fill(total == 0, 1.0))
+    return torch.where(special, torch.where(top1 <= masked, 0.0, float("nan")), out)
 
 
 def sparse_softmax_rows(rows: torch.Tensor, top_k: int | None, top_p: float | None, masked: float) -> torch.Tensor:
-    """Sparse softmax of each row of a ``[rows, n]`` tensor (options already validated)."""
+    """Sparse softmax of each row of a ``[rows, n]`` tensor (options already validated).
+
+    Eagerly, a top-k cut without ties beyond the ``k``-th entry (checked with
+    one host sync) writes the softmax of the ``k`` candidates into zeros; the
+    general rule (:func:`floor_softmax`) runs otherwise and when compiled.
+    """
     n = rows.shape[-1]
-    k = n if top_k is None else min(top_k, n)
-    if k == n and top_p is None:
+    if (top_k is None or top_k >= n) and top_p is None:  # plain softmax: masked rows to 0, NaN / +inf rows NaN
+        top1 = rows.amax(-1, keepdim=True)
         out = torch.softmax(rows, -1)
-        dead = rows.amax(-1, keepdim=True) <= masked
-        return out.masked_fill_(dead, 0.0) if bool(dead.any()) else out
-    out = torch.zeros_like(rows)
-    if k < n or top_p is None:
-        return out.scatter_(-1, *sparse_softmax_support(rows, k, top_p, masked))
-    # top_p alone: the nucleus is found among the top c entries, c growing until it fits.
-    log_total = rows.logsumexp(-1, keepdim=True)
-    todo = torch.arange(rows.shape[0], device=rows.device)
-    c = min(NUCLEUS_CANDIDATES, n)
-    while todo.numel():
-        values, index = rows.index_select(0, todo).topk(c, dim=-1)
-        drop = (values <= masked) | nucleus((values - log_total.index_select(0, todo)).exp(), top_p)
-        fits = drop.any(-1) if c < n else torch.ones_like(todo, dtype=torch.bool)
-        done = todo[fits]
-        out.index_put_((done.unsqueeze(1), index[fits]), masked_softmax(values[fits], drop[fits]))
-        todo, c = todo[~fits], min(4 * c, n)
-    return out
+        special = special_rows(top1, masked)
+        if torch.compiler.is_compiling() or bool(special.any()):
+            out = torch.where(special, torch.where(top1 <= masked, 0.0, float("nan")), out)
+        return out
+    if top_k is not None and top_k < n and not torch.compiler.is_compiling():
+        index, p, exact = top_k_support(rows, top_k, top_p, masked)
+        if exact:
+            return torch.zeros_like(rows).scatter_(-1, index, p)
+    return floor_softmax(rows, kept_floor(rows, top_k, top_p, masked), masked)
+
+
+def top_k_support(rows: torch.Tensor, top_k: int, top_p: float | None, masked: float):
+    """``(index, p, exact)``: the softmax over the top ``top_k`` (then ``top_p``) candidates, ``[rows, top_k]``.
+
+    ``exact`` (a host sync) says no row has entries tied with its ``k``-th
+    beyond the candidates and none holds NaN / ``+inf``: then ``index, p`` hold the whole kept set.
+    """
+    values, index = rows.topk(top_k, dim=-1)
+    floor = values[:, -1:]
+    first = values[:, :1]
+    ties = (rows == floor).sum(-1, keepdim=True) > (values == floor).sum(-1, keepdim=True)
+    if bool((ties | torch.isnan(first) | (first == float("inf"))).any()):
+        return index, values, False
+    drop = values <= masked
+    if top_p is not None:
+        p_floor = nucleus_floor(values, values.logsumexp(-1, keepdim=True), top_p, masked)[0]
+        drop |= values < p_floor
+    return index, masked_softmax(values, drop), True
 
 
 def sparse_softmax_support(
     rows: torch.Tensor, top_k: int, top_p: float | None, masked: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index, p)`` of shape ``[rows, top_k]``: the kept set of :func:`sparse_softmax_rows` when ``top_k`` is given.
+    """``(index, p)`` of shape ``[rows, K]`` holding the kept set of :func:`sparse_softmax_rows` (``top_k`` given).
 
-    Entries of the top ``top_k`` cut by the ``top_p`` nucleus get ``p = 0``.
+    ``K`` is ``top_k``, or the largest kept set when entries tie with the
+    ``top_k``-th (one more host sync); entries among the ``K`` outside a row's kept set get ``p = 0``.
     """
-    values, index = rows.topk(min(top_k, rows.shape[-1]), dim=-1)
-    drop = values <= masked
-    if top_p is not None:
-        drop |= nucleus(masked_softmax(values, drop), top_p)
-    return index, masked_softmax(values, drop)
+    top_k = min(top_k, rows.shape[-1])
+    index, p, exact = top_k_support(rows, top_k, top_p, masked)
+    if exact:
+        return index, p
+    floor = kept_floor(rows, top_k, top_p, masked)
+    width = int(((rows >= floor) & (rows > masked)).sum(-1).max()) if rows.numel() else 1
+    values, index = rows.topk(min(max(width, top_k, 1), rows.shape[-1]), dim=-1)
+    return index, floor_softmax(values, floor, masked)
 
 
 def sparse_softmax(

@@ -1,0 +1,223 @@
+"""Exact threshold solvers without a host sync, for the compiled path.
+
+Used only while ``torch.compiler.is_compiling()``: the eager solvers in
+:mod:`._core` stay as they are (they grow candidate sets with ``nonzero`` and
+stop on ``bool(converged)``, one host sync per call, which is the fastest
+choice eagerly). Under ``torch.compile`` a sync is a graph break and a
+data-dependent shape a recompilation, so here every shape is fixed by the
+input's shape and the data only chooses values:
+
+1. A fixed amount of work: ``NEWTON_STEPS`` whole-row Newton passes on short
+   rows (:func:`newton_certified`), or the exact solve on the top ``K``
+   candidates on long ones (:func:`on_top`).
+2. A per-row certificate that the answer is exact (see each function).
+3. The rows without a certificate (rare) are solved again on the whole sorted
+   row under ``torch.cond`` (:func:`exact_fallback`), so the answer is always
+   exact and the common case never sorts.
+
+Bisection (:func:`bisect_solve`) runs a fixed number of steps: its float64
+bracket has width 1 and halves at least once a step, so ``MAX_STEPS = 50``
+steps reach ``2**-50``, far below float32 resolution, with no test.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+SHORT_ROWS = 2048  # same split as the eager path: whole-row Newton up to here, top candidates beyond
+NEWTON_STEPS = 7  # whole-row Newton passes before the certificate (entmax; quadratic convergence)
+MICHELOT_STEPS = 10  # the same for sparsemax, whose Newton (Michelot's algorithm) is linear on flat rows
+MAX_STEPS = 50  # bisection: a bracket of width 1 halves to 2**-50 < 1e-13
+
+
+def special_rows(top1: torch.Tensor, masked: float) -> torch.Tensor:
+    """Rows that need no solve: fully masked, or holding NaN / ``+inf`` (their maximum says so)."""
+    return (top1 <= masked) | torch.isnan(top1) | (top1 == float("inf"))
+
+
+def mark_special_rows(tau: torch.Tensor, top1: torch.Tensor, masked: float) -> torch.Tensor:
+    """``tau = +inf`` for fully masked rows (output 0) and NaN for rows whose maximum is NaN or ``+inf``."""
+    tau = tau.masked_fill(top1 <= masked, float("inf"))
+    return tau.masked_fill(torch.isnan(top1) | (top1 == float("inf")), float("nan"))
+
+
+def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: float):
+    """``(shift, tau, size, done)``, each ``[rows, 1]``, by a fixed number of Newton passes over whole rows.
+
+    Newton on ``h(tau) = ||relu(z - tau)||_beta - 1`` with ``z = (alpha - 1)(x - max)``,
+    ``beta = 1/(alpha - 1)``, from ``tau = -1``, rises monotonically to the root
+    (``h`` is convex for ``alpha <= 2``; alpha = 2 is Michelot's algorithm); a
+    bracket ``[lo, hi]`` replaces a step that leaves it by a bisection step.
+    A row is ``done`` (certified exact) when
+
+    - alpha = 2: the last pass kept the support of the one before, so ``tau``
+      is the closed form ``(sum_S z - 1) / |S|`` on its own support ``S``;
+    - alpha = 1.5: the closed form ``mean_S - sqrt(1/|S| - var_S)`` on the last
+      support ``S`` exists and leaves exactly ``S`` above it;
+    - other alphas: the last Newton step moved ``tau`` by at most 4 ulp of
+      float32 (the eager solver's stopping rule).
+    """
+    float_alpha = not isinstance(alpha, torch.Tensor)
+    sparsemax, entmax15 = float_alpha and alpha == 2, float_alpha and alpha == 1.5
+    am1 = alpha - 1
+    wide = torch.float64
+    top1 = rows.amax(-1, keepdim=True)
+    special = special_rows(top1, masked)
+    shift = top1.masked_fill(special, 0.0)
+    z = rows - shift
+    if not float_alpha or am1 != 1:
+        z = z * am1
+    tau = torch.full_like(shift, -1.0, dtype=wide)
+    lo, hi = tau, torch.zeros_like(tau)
+    count = previous = total = first = step = None
+    for _ in range(MICHELOT_STEPS if sparsemax else NEWTON_STEPS):
+        at = tau  # the point this pass evaluates
+        u = (z - at.to(z.dtype)).clamp_min(0)
+        previous, count = count, torch.sign(u).sum(-1, keepdim=True).to(wide)  # u >= 0: the support size
+        if sparsemax:  # h = sum(u) - 1, h' = -|S|
+            total = u.sum(-1, keepdim=True).to(wide)
+            above, step = total > 1, (total - 1) / count
+        else:
+            if entmax15:
+                first = u.sum(-1, keepdim=True).to(wide)
+                total, slope = (u * u).sum(-1, keepdim=True).to(wide), first
+            else:
+                a = am1.to(z.dtype) if isinstance(am1, torch.Tensor) else am1
+                powered = torch.where(u > 0, u.pow(1 / a), 0)
+                total = powered.sum(-1, keepdim=True).to(wide)
+                slope = torch.where(u > 0, powered / u.clamp_min(torch.finfo(u.dtype).tiny), 0)
+                slope = slope.sum(-1, keepdim=True).to(wide)
+            a_wide = am1.to(wide) if isinstance(am1, torch.Tensor) else am1
+            norm = total.pow(a_wide)
+            above, step = norm > 1, (norm - 1) * (total / norm) / slope
+        lo, hi = torch.where(above, at, lo), torch.where(above, hi, at)
+        proposal = at + step
+        proposal = torch.where((proposal >= lo) & (proposal <= hi), proposal, (lo + hi) / 2)
+        tau = torch.where(special | ~torch.isfinite(proposal), at, proposal)
+    if sparsemax:
+        tau, done = at, count == previous
+    elif entmax15:  # closed form on the last support S, from u = z - at on S
+        k = count.clamp_min(1)
+        spread = 1 / k - (total / k - (first / k).square())  # 1/|S| - var_S
+        closed = at + first / k - spread.clamp_min(0).sqrt()
+        size = torch.sign((z - closed.to(z.dtype)).clamp_min(0)).sum(-1, keepdim=True).to(wide)
+        done = (size == count) & (spread >= 0)
+        tau, count = torch.where(done, closed, tau), torch.where(done, size, count)
+    else:
+        eps = torch.finfo(torch.float64 if rows.dtype == torch.float64 else torch.float32).eps
+        done = (step.abs() <= 4 * eps * am1) & torch.isfinite(step)
+    return shift, mark_special_rows(tau, top1, masked), count.long(), done | special
+
+
+def on_top(rows: torch.Tensor, solve: Callable, k0: int, masked: float, *row_args: torch.Tensor):
+    """``(shift, tau, size, done)`` from the exact ``solve`` on the top ``k0`` entries of each row.
+
+    ``solve(top, valid, *row_args) -> (tau - top_1, size)`` is exact for a row
+    whose support is smaller than the number of candidates (or when they are
+    the whole row): those rows are ``done``.
+    """
+    n = rows.shape[-1]
+    k = min(k0, n)
+    top = rows.topk(k, dim=-1).values.double()
+    tau, size = solve(top, top > masked, *row_args)
+    first = top[:, :1]
+    shift = first.masked_fill(first <= masked, 0.0).to(rows.dtype)
+    done = (size < k) | special_rows(first, masked) if k < n else torch.ones_like(size, dtype=torch.bool)
+    return shift, mark_special_rows(tau, first, masked), size, done
+
+
+def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
+    """``(tau, size)`` with the rows not ``done`` solved again by ``solve`` on the whole sorted row.
+
+    Under ``torch.cond``: the sort runs only when some row lacks a certificate,
+    and no shape depends on which rows.
+    """
+
+    def whole_rows(tau, size, done, rows, *row_args):
+        top = rows.sort(dim=-1, descending=True).values.double()
+        t, s = solve(top, top > masked, *row_args)
+        t = mark_special_rows(t, top[:, :1], masked)
+        return torch.where(done, tau, t), torch.where(done, size, s)
+
+    def keep(tau, size, done, rows, *row_args):
+        return tau.clone(), size.clone()
+
+    return tuple(torch.cond(~done.all(), whole_rows, keep, (tau, size, done, rows, *row_args)))
+
+
+def find_threshold(rows, masked, alpha, solve: Callable, k0: int, *row_args):
+    """Sync-free :func:`._core.find_threshold`: ``(shift, tau, size)``, exact, each ``[rows, 1]``."""
+    n = rows.shape[-1]
+    if n <= SHORT_ROWS and (isinstance(alpha, torch.Tensor) or 1.125 <= alpha <= 2):
+        shift, tau, size, done = newton_certified(rows, alpha, masked)
+    else:
+        shift, tau, size, done = on_top(rows, solve, k0, masked, *row_args)
+    tau, size = exact_fallback(rows, masked, solve, tau, size, done, *row_args)
+    return shift, tau, size
+
+
+def solve_on_top(rows, solve: Callable, k0: int, masked: float, *row_args):
+    """Sync-free :func:`._core.solve_on_top`: the top ``k0`` candidates, whole rows where they do not suffice."""
+    shift, tau, size, done = on_top(rows, solve, k0, masked, *row_args)
+    tau, size = exact_fallback(rows, masked, solve, tau, size, done, *row_args)
+    return shift, tau, size
+
+
+def bisect_solve(top: torch.Tensor, valid: torch.Tensor, alpha: float | torch.Tensor, n_iter: int | None):
+    """Sync-free :func:`.entmax.bisect_solve`: ``n_iter`` (or ``MAX_STEPS``) safeguarded Newton steps, no test.
+
+    Newton where ``beta >= 1`` and the step stays in the bracket, bisection
+    otherwise; every step at least halves the bracket ``[lo, hi]`` of width 1.
+    ``top`` need not be sorted.
+    """
+    am1 = alpha.double() - 1 if isinstance(alpha, torch.Tensor) else alpha - 1
+    beta = 1 / am1
+    newton_rows = beta >= 1
+    z = ((top - top.amax(-1, keepdim=True)) * am1).masked_fill(~valid, float("-inf"))
+    tau = lo = torch.full_like(top[:, :1], -1.0)
+    hi = torch.zeros_like(lo)
+    for _ in range(MAX_STEPS if n_iter is None else n_iter):
+        u = (z - tau).clamp_min(0)
+        powered = torch.where(u > 0, u.pow(beta), 0)
+        total = powered.sum(-1, keepdim=True)
+        norm = total.pow(am1)
+        above = norm > 1
+        lo, hi = torch.where(above, tau, lo), torch.where(above, hi, tau)
+        slope = torch.where(u > 0, powered / u.clamp_min(torch.finfo(u.dtype).tiny), 0).sum(-1, keepdim=True)
+        newton = tau + (norm - 1) * (total / norm) / slope
+        tau = torch.where((newton >= lo) & (newton <= hi) & newton_rows, newton, (lo + hi) / 2)
+    return tau, (z > tau).sum(-1, keepdim=True)
+
+
+def threshold_map(rows, shift, tau, scale=1.0, power=1.0) -> torch.Tensor:
+    """:func:`._core.threshold_map` in one piece (the compiler fuses it; no blocks whose count depends on the shape)."""
+    o = (rows - shift)
+    if isinstance(scale, torch.Tensor) or scale != 1:
+        o = o * scale
+    o = (o - tau.to(rows.dtype)).clamp_min(0)
+    if isinstance(power, torch.Tensor) or power not in (1, 2):
+        return o.pow(power)
+    return o * o if power == 2 else o
+
+
+def in_precise_dtype(fn: Callable, rows: torch.Tensor, alpha: torch.Tensor, *args: torch.Tensor) -> tuple:
+    """``fn(rows, alpha, *args)`` (a tuple of tensors), in float64 when some alpha is outside ``[low, high]``.
+
+    The eager path tests that on the host; here the choice is a ``torch.cond``.
+    Floating results come back in ``rows.dtype``.
+    """
+    from .entmax import FLOAT32_ALPHAS
+
+    low, high = FLOAT32_ALPHAS
+
+    def narrow(rows, alpha, *args):
+        return tuple(fn(rows, alpha, *args))
+
+    def wide(rows, alpha, *args):
+        out = fn(rows.double(), alpha.double(), *args)
+        return tuple(o.to(rows.dtype) if o.is_floating_point() else o for o in out)
+
+    precise = ((alpha >= low) & (alpha <= high)).all()
+    return tuple(torch.cond(precise, narrow, wide, (rows, alpha, *args)))
