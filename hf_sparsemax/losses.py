@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mappings import _sync_free
 from .mappings._core import masked_below, to_rows
 from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, precise_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
@@ -63,17 +62,17 @@ def safe_target(target: torch.Tensor, num_classes: int, ignore_index: int) -> tu
 class SparseLossFunction(torch.autograd.Function):
     """Per-item loss and its gradient ``(p - e_t) * grad`` for one mapping (``items_fn``).
 
-    ``items_fn(rows, target, masked)`` returns ``(p, loss per item)`` on the ``[N, C]``
+    ``items_fn(rows, target, masked, *options)`` returns ``(p, loss per item)`` on the ``[N, C]``
     float rows; ``alpha`` (a tensor or None) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, kept, alpha, items_fn):
+    def forward(ctx, logits, target, kept, alpha, items_fn, *options):
         rows, _ = to_rows(logits, logits.dim() - 1)
-        p, items = items_fn(rows, target, masked_below(logits.dtype))
+        p, items = items_fn(rows, target, masked_below(logits.dtype), *options)
         items = torch.where(kept, items, 0.0)
         ctx.save_for_backward(p, target, kept, alpha)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        ctx.logits_shape, ctx.logits_dtype, ctx.n_options = logits.shape, logits.dtype, len(options)
         return items
 
     @staticmethod
@@ -86,7 +85,7 @@ class SparseLossFunction(torch.autograd.Function):
         if alpha is not None and ctx.needs_input_grad[3]:
             d_alpha = tsallis_alpha_grad(p, alpha.reshape(-1, 1).to(p.dtype)).squeeze(-1) * g.squeeze(-1)
             d_alpha = d_alpha.reshape(-1, 1).sum_to_size(alpha.reshape(-1, 1).shape).reshape(alpha.shape)
-        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, d_alpha, None
+        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, d_alpha, None, *(None,) * ctx.n_options
 
 
 def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -119,13 +118,15 @@ def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str
     return total if reduction == "sum" else total / kept.sum().clamp_min(1)
 
 
-def run_loss(logits, target, ignore_index, reduction, items_fn, alpha=None) -> torch.Tensor:
+def run_loss(logits, target, ignore_index, reduction, items_fn, alpha=None, options=()) -> torch.Tensor:
+    """The loss of ``items_fn``; float ``options`` reach it as arguments, not in its closure (compiled with
+    ``dynamic=True`` a float may be symbolic, and dynamo cannot lift one from a closure into the Function)."""
     check_loss_args(logits, target, reduction)
     safe, kept = safe_target(target, logits.shape[-1], ignore_index)
     if logits.numel() == 0:
         out = logits.new_zeros(target.shape, dtype=torch.float32)
         return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
-    items = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn)
+    items = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn, *options)
     return reduce(items, kept, target.shape, reduction)
 
 
@@ -144,12 +145,12 @@ def sparse_softmax_loss(
     """
     top_k, top_p = check_top(top_k, top_p)
 
-    def items_fn(rows, t, masked):
+    def items_fn(rows, t, masked, top_p):
         p = sparse_softmax_rows(rows, top_k, top_p, masked)
         p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
         return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, options=(top_p,))
 
 
 def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
@@ -193,20 +194,15 @@ def entmax_bisect_loss(
     else:
         per_item = alpha
 
-    def items_fn(rows, t, masked):
+    def items_fn(rows, t, masked, per_item):
         a = per_item.to(rows.device) if isinstance(per_item, torch.Tensor) else per_item
-        if isinstance(a, torch.Tensor) and rows.dtype != torch.float64 and torch.compiler.is_compiling():
-            def solve(work, a_work, t):  # float32 or float64, chosen in the graph (no host sync)
-                p, tau = entmax_bisect_rows(work, a_work, masked)
-                return p, fenchel_young_items(p, tau, a_work, work, t)
-
-            return _sync_free.in_precise_dtype(solve, rows, a.to(rows.dtype), t)
-        work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
+        in_graph = isinstance(a, torch.Tensor) and torch.compiler.is_compiling()  # float64 without a host test
+        work = rows if rows.dtype == torch.float64 or (not in_graph and precise_in_float32(a)) else rows.double()
         a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
         p, tau = entmax_bisect_rows(work, a_work, masked)
         return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t).to(rows.dtype)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor, options=(per_item,))
 
 
 def callable_mapping_loss(

@@ -12,8 +12,11 @@ input's shape and the data only chooses values:
    candidates on long ones (:func:`on_top`).
 2. A per-row certificate that the answer is exact (see each function).
 3. The rows without a certificate (rare) are solved again on the whole sorted
-   row under ``torch.cond`` (:func:`exact_fallback`), so the answer is always
-   exact and the common case never sorts.
+   row by an opaque custom op (:func:`exact_threshold`), so the answer is
+   always exact and the common case never sorts.
+
+A tensor ``alpha`` (learned per head) is solved in float64 here: the eager
+path picks float32 when every alpha lies in ``FLOAT32_ALPHAS`` (a host test).
 
 Bisection (:func:`bisect_solve`) runs a fixed number of steps: its float64
 bracket has width 1 and halves at least once a step, so ``MAX_STEPS = 50``
@@ -128,23 +131,54 @@ def on_top(rows: torch.Tensor, solve: Callable, k0: int, masked: float, *row_arg
     return shift, mark_special_rows(tau, first, masked), size, done
 
 
-def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
-    """``(tau, size)`` with the rows not ``done`` solved again by ``solve`` on the whole sorted row.
+def solver_name(solve: Callable) -> tuple[str, float, int]:
+    """``(kind, alpha, n_iter)`` naming one of the exact row solvers (a custom op takes no callable)."""
+    inner = getattr(solve, "func", solve)
+    keywords = getattr(solve, "keywords", {})
+    alpha = keywords.get("alpha")
+    n_iter = keywords.get("n_iter")
+    return inner.__name__, -1.0 if alpha is None else float(alpha), 0 if n_iter is None else int(n_iter)
 
-    Under ``torch.cond``: the sort runs only when some row lacks a certificate,
-    and no shape depends on which rows.
+
+@torch.library.custom_op("hf_sparsemax::exact_threshold", mutates_args=())
+def exact_threshold(
+    rows: torch.Tensor, tau: torch.Tensor, size: torch.Tensor, done: torch.Tensor, alpha_rows: torch.Tensor | None,
+    kind: str, alpha: float, n_iter: int, masked: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tau, size)`` with the rows not ``done`` solved again exactly on their whole sorted row.
+
+    An opaque op in the compiled graph: it runs eagerly inside it, sorts only
+    the rows that need it (none in the common case), and its output shapes
+    are its inputs' shapes. (``torch.cond`` would do the same, but dynamo then
+    loses attributes that transformers' KV cache sets later in the same graph.)
     """
+    from . import entmax, sparsemax
 
-    def whole_rows(tau, size, done, rows, *row_args):
-        top = rows.sort(dim=-1, descending=True).values.double()
-        t, s = solve(top, top > masked, *row_args)
-        t = mark_special_rows(t, top[:, :1], masked)
-        return torch.where(done, tau, t), torch.where(done, size, s)
+    tau, size = tau.clone(), size.clone()
+    todo = (~done).squeeze(1).nonzero().squeeze(1)
+    if todo.numel():
+        top = rows.index_select(0, todo).sort(dim=-1, descending=True).values.double()
+        if kind == "sparsemax_solve":
+            t, s = sparsemax.sparsemax_solve(top, top > masked)
+        elif kind == "entmax15_solve":
+            t, s = entmax.entmax15_solve(top, top > masked)
+        else:
+            a = alpha_rows.index_select(0, todo) if alpha_rows is not None else alpha
+            t, s = entmax.bisect_solve(top, top > masked, a, None if n_iter == 0 else n_iter)
+        tau[todo], size[todo] = mark_special_rows(t, top[:, :1], masked).to(tau.dtype), s.to(size.dtype)
+    return tau, size
 
-    def keep(tau, size, done, rows, *row_args):
-        return tau.clone(), size.clone()
 
-    return tuple(torch.cond(~done.all(), whole_rows, keep, (tau, size, done, rows, *row_args)))
+@exact_threshold.register_fake
+def _(rows, tau, size, done, alpha_rows, kind, alpha, n_iter, masked):
+    return torch.empty_like(tau), torch.empty_like(size)
+
+
+def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
+    """``(tau, size)`` with the rows not ``done`` solved again by ``solve`` on the whole sorted row."""
+    kind, alpha, n_iter = solver_name(solve)
+    alpha_rows = row_args[0] if row_args else None
+    return exact_threshold(rows, tau, size, done, alpha_rows, kind, alpha, n_iter, masked)
 
 
 def find_threshold(rows, masked, alpha, solve: Callable, k0: int, *row_args):
@@ -200,24 +234,3 @@ def threshold_map(rows, shift, tau, scale=1.0, power=1.0) -> torch.Tensor:
     if isinstance(power, torch.Tensor) or power not in (1, 2):
         return o.pow(power)
     return o * o if power == 2 else o
-
-
-def in_precise_dtype(fn: Callable, rows: torch.Tensor, alpha: torch.Tensor, *args: torch.Tensor) -> tuple:
-    """``fn(rows, alpha, *args)`` (a tuple of tensors), in float64 when some alpha is outside ``[low, high]``.
-
-    The eager path tests that on the host; here the choice is a ``torch.cond``.
-    Floating results come back in ``rows.dtype``.
-    """
-    from .entmax import FLOAT32_ALPHAS
-
-    low, high = FLOAT32_ALPHAS
-
-    def narrow(rows, alpha, *args):
-        return tuple(fn(rows, alpha, *args))
-
-    def wide(rows, alpha, *args):
-        out = fn(rows.double(), alpha.double(), *args)
-        return tuple(o.to(rows.dtype) if o.is_floating_point() else o for o in out)
-
-    precise = ((alpha >= low) & (alpha <= high)).all()
-    return tuple(torch.cond(precise, narrow, wide, (rows, alpha, *args)))

@@ -168,8 +168,8 @@ class EntmaxBisectFunction(torch.autograd.Function):
 
         def rows_fn(rows: torch.Tensor) -> torch.Tensor:
             a = alpha_rows.to(rows.device) if isinstance(alpha_rows, torch.Tensor) else alpha_rows
-            if choose_in_graph and x.dtype != torch.float64:  # float32 or float64, chosen without a host sync
-                return _sync_free.in_precise_dtype(lambda r, a: (entmax_bisect_rows(r, a, masked, n_iter)[0],), rows, a)[0]
+            if choose_in_graph and x.dtype != torch.float64:  # float64: precise for every alpha, no host test
+                return entmax_bisect_rows(rows.double(), a.double(), masked, n_iter)[0].to(rows.dtype)
             if upcast:
                 rows, a = rows.double(), a.double() if isinstance(a, torch.Tensor) else a
             return entmax_bisect_rows(rows, a, masked_below(x.dtype), n_iter)[0]

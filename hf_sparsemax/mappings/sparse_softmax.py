@@ -77,8 +77,8 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
     """The value ``floor`` of each row (``[rows, 1]``) with ``Omega = {x >= floor}`` (``-inf`` keeps all).
 
     ``top_p`` alone looks at the top ``NUCLEUS_CANDIDATES`` entries and sorts
-    the whole row only where the nucleus is larger (flat logits): eagerly
-    those rows alone (one host sync), compiled all rows under ``torch.cond``.
+    the whole row only where the nucleus is larger (flat logits), those rows
+    alone (eagerly one host sync; compiled, inside an opaque op).
     """
     n = rows.shape[-1]
     if top_k is not None and top_k < n:
@@ -94,17 +94,31 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
     if values.shape[-1] == n:
         return floor
 
-    def whole_rows(floor, fits, rows, log_total):
-        everything = nucleus_floor(rows.sort(dim=-1, descending=True).values, log_total, top_p, masked)[0]
-        return (torch.where(fits, floor, everything),)
+    refine = nucleus_whole_rows if torch.compiler.is_compiling() else nucleus_whole_rows_eager
+    return refine(rows, floor, fits, log_total, top_p, masked)
 
-    if torch.compiler.is_compiling():
-        return torch.cond(~fits.all(), whole_rows, lambda f, *_: (f.clone(),), (floor, fits, rows, log_total))[0]
+
+def nucleus_whole_rows_eager(rows, floor, fits, log_total, top_p: float, masked: float) -> torch.Tensor:
+    """``floor`` with the rows whose nucleus does not ``fit`` in the candidates found on their whole sorted row."""
+    floor = floor.clone()
     todo = (~fits).squeeze(1).nonzero().squeeze(1)
     if todo.numel():
-        sub = rows.index_select(0, todo)
-        floor[todo] = nucleus_floor(sub.sort(dim=-1, descending=True).values, log_total[todo], top_p, masked)[0]
+        top = rows.index_select(0, todo).sort(dim=-1, descending=True).values
+        floor[todo] = nucleus_floor(top, log_total.index_select(0, todo), top_p, masked)[0]
     return floor
+
+
+@torch.library.custom_op("hf_sparsemax::nucleus_whole_rows", mutates_args=())
+def nucleus_whole_rows(
+    rows: torch.Tensor, floor: torch.Tensor, fits: torch.Tensor, log_total: torch.Tensor, top_p: float, masked: float
+) -> torch.Tensor:
+    """:func:`nucleus_whole_rows_eager` as an opaque op of the compiled graph (fixed output shape, no graph break)."""
+    return nucleus_whole_rows_eager(rows, floor, fits, log_total, top_p, masked)
+
+
+@nucleus_whole_rows.register_fake
+def _(rows, floor, fits, log_total, top_p, masked):
+    return torch.empty_like(floor)
 
 
 def floor_softmax(rows: torch.Tensor, floor: torch.Tensor, masked: float) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""Sparse attention and sparse losses under ``torch.compile``.
+
+The compiled path (``hf_sparsemax/mappings/_sync_free.py``) has no host sync
+and no data-dependent shape: dynamo sees one graph with no break, the
+sequence length can stay symbolic, and the result equals the eager path.
+Tiny 1-layer models and the ``aot_eager`` backend keep this file fast.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_sparsemax as hs
+
+# label -> (attention, its options, loss, its options): every sparse attention and every sparse loss appears
+SETUPS = {
+    "sparsemax": ("sparsemax", {}, "sparsemax", {}),
+    "entmax15": ("entmax15", {}, "entmax15", {}),
+    "bisect13": ("entmax_bisect", {"alpha": 1.3}, "entmax_bisect", {"alpha": 1.3}),
+    "learned_alpha+top_p": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}, "sparse_softmax", {"top_p": 0.9}),
+    "top_k": ("sparse_softmax", {"top_k": 4}, "sparse_softmax", {"top_k": 5}),
+}
+VOCAB = 96
+
+
+def tiny_llama(setup: str, layers: int = 1):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=8)
+    attn, attn_options, loss, loss_options = SETUPS[setup]
+    return hs.patch_model(LlamaForCausalLM(config), attn=attn, loss=loss, attn_options=attn_options,
+                          loss_options=loss_options)
+
+
+def forward_loss(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
+
+
+def batch(length: int, dynamic: bool = True):
+    ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+    labels = ids.clone()
+    labels[0, -3:] = -100  # ignored items: a mask, not an index
+    if dynamic:
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+    return ids, labels
+
+
+def loss_and_grads(fn, model, ids, labels):
+    model.zero_grad()
+    loss = fn(model, ids, labels)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_no_graph_break(setup):
+    """``torch._dynamo.explain`` of forward + loss: one graph, no break. The KV cache is on (the default);
+    two layers for one setup (a second layer's cache update follows the first layer's solver)."""
+    model = tiny_llama(setup, layers=2 if setup == "sparsemax" else 1)
+    ids, labels = batch(7, dynamic=False)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward_loss)(model, ids, labels)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+# (mapping, options) as attention calls it; a tensor alpha is one learned alpha per head of [B, H, q, kv] scores
+MAPPINGS = {
+    "sparsemax": (hs.sparsemax, {}),
+    "entmax15": (hs.entmax15, {}),
+    "bisect13": (hs.entmax_bisect, {"alpha": 1.3}),
+    "learned_alpha": (hs.entmax_bisect, {"alpha": "per head"}),
+    "top_k": (hs.sparse_softmax, {"top_k": 5}),
+    "top_p": (hs.sparse_softmax, {"top_p": 0.9}),
+}
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_mapping_fullgraph_equals_eager_with_one_graph_for_three_lengths(name):
+    """Each mapping on causal attention scores, forward and backward: compiled == eager, one graph for all lengths."""
+    fn, options = MAPPINGS[name]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def mapping(scores, *alpha):
+        return fn(scores, **({"alpha": alpha[0]} if alpha else options))
+
+    def run(f, scores, grad, *alpha):
+        scores = scores.detach().requires_grad_()
+        torch._dynamo.mark_dynamic(scores, 2)
+        torch._dynamo.mark_dynamic(scores, 3)
+        p = f(scores, *alpha)
+        p.backward(grad)
+        return p.detach(), scores.grad, *(a.grad for a in alpha)
+
+    compiled = torch.compile(mapping, fullgraph=True, backend="aot_eager")
+    for length in (9, 13, 17):
+        g = torch.Generator().manual_seed(length)
+        scores = torch.randn(2, 3, length, length, generator=g) * 3
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+        grad = torch.randn(scores.shape, generator=g)
+        alpha = ()
+        if options.get("alpha") == "per head":
+            alpha = (torch.tensor([1.2, 1.5, 1.8]).view(1, 3, 1, 1).requires_grad_(),)
+        expected = run(mapping, scores, grad, *(a.detach().requires_grad_() for a in alpha))
+        got = run(compiled, scores, grad, *alpha)
+        for e, o in zip(expected[:2], got[:2]):
+            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+        for e, o in zip(expected[2:], got[2:]):  # d alpha sums 2 * length**2 float32 terms of the eager path
+            torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_model_fullgraph_equals_eager_with_one_graph_for_three_lengths():
+    """A whole patched model, forward + loss + backward (learned alpha, top_p loss): fullgraph aot_eager ==
+    eager to 1e-5, and the symbolic sequence length compiles once."""
+    model = tiny_llama("learned_alpha+top_p")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(forward_loss, fullgraph=True, backend="aot_eager")
+    for length in (9, 13, 17):
+        ids, labels = batch(length)
+        expected, expected_grads = loss_and_grads(forward_loss, model, ids, labels)
+        got, grads = loss_and_grads(compiled, model, ids, labels)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_dynamic_true_with_float_options():
+    """``dynamic=True`` (floats may turn symbolic) with the float options alpha and top_p: compiles, equals eager."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([1, 2, -100, 3, 4, 5])
+    torch._dynamo.reset()
+    fn = hs.sparse_softmax_loss
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)(logits, target, top_p=0.9)
+    torch.testing.assert_close(got, fn(logits, target, top_p=0.9), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    scores = torch.randn(2, 3, 7, 7)
+    got = torch.compile(hs.entmax_bisect, fullgraph=True, backend="aot_eager", dynamic=True)(scores, 1.3)
+    torch.testing.assert_close(got, hs.entmax_bisect(scores, 1.3), rtol=1e-5, atol=1e-6)
+
+
+def test_exact_fallback_runs_inside_the_compiled_graph():
+    """Rows the fixed passes cannot certify (a flat plateau, a large nucleus) still get the exact answer."""
+    torch._dynamo.reset()
+    flat = torch.linspace(0, 1e-3, 300).repeat(3, 1)
+    flat[1] = torch.randn(300)
+    cases = [
+        (hs.sparsemax, {}), (hs.entmax15, {}), (hs.entmax_bisect, {"alpha": 1.3}),
+        (hs.sparse_softmax, {"top_p": 0.9}), (hs.sparse_softmax, {"top_k": 290}),
+    ]
+    for fn, options in cases:
+        compiled = torch.compile(lambda x: fn(x, **options), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(flat), fn(flat, **options), rtol=1e-5, atol=1e-7)
