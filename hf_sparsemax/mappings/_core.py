@@ -140,7 +140,7 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     return shift.contiguous(), tau.contiguous(), size  # a strided [rows, 1] operand slows broadcasting 5x
 
 
-def dense_solve(rows: torch.Tensor, alpha: float, masked: float):
+def dense_solve(rows: torch.Tensor, alpha: float | torch.Tensor, masked: float):
     """Same contract as :func:`solve_on_top`, by Newton passes over whole (short) rows.
 
     ``torch.topk`` costs several softmaxes on short rows; a pass over a block
@@ -150,14 +150,19 @@ def dense_solve(rows: torch.Tensor, alpha: float, masked: float):
     stops once no row's ``tau`` moves by more than float32 resolution. Needs
     ``1 < alpha <= 2`` with ``beta = 1/(alpha-1)`` moderate. Works on
     ``d = x - max``: ``u' = relu(d - tau / (alpha - 1))``, ``u = (alpha - 1) u'``.
+    ``alpha`` is a float or ``[rows, 1]`` (one per row).
     """
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-    parts = [dense_solve_block(rows[i : i + step], alpha, masked) for i in range(0, rows.shape[0], step)]
+    part = lambda a, i: a[i : i + step] if isinstance(a, torch.Tensor) else a  # noqa: E731
+    parts = [dense_solve_block(rows[i : i + step], part(alpha, i), masked) for i in range(0, rows.shape[0], step)]
     return tuple(torch.cat(column) for column in zip(*parts))
 
 
-def dense_solve_block(rows: torch.Tensor, alpha: float, masked: float):
-    am1, beta = alpha - 1, 1 / (alpha - 1)
+def dense_solve_block(rows: torch.Tensor, alpha: float | torch.Tensor, masked: float):
+    am1 = alpha.double() - 1 if isinstance(alpha, torch.Tensor) else alpha - 1
+    beta = 1 / am1
+    exponent = (beta - 1).to(rows.dtype) if isinstance(beta, torch.Tensor) else beta - 1
+    zero_power = isinstance(exponent, torch.Tensor) and bool((exponent == 0).any())  # 0**0 = 1 off the support
     top1 = rows.amax(-1, keepdim=True)
     dead = top1 <= masked
     shift = top1.masked_fill(dead, 0.0)
@@ -167,13 +172,14 @@ def dense_solve_block(rows: torch.Tensor, alpha: float, masked: float):
     tolerance = 4 * torch.finfo(rows.dtype).eps * am1
     for _ in range(DENSE_MAX_ITER):
         torch.sub(d, (tau / am1).to(rows.dtype), out=u).clamp_min_(0)
-        if beta == 1:
+        if isinstance(beta, float) and beta == 1:
             total, slope = u.sum(-1, keepdim=True), torch.sign(u, out=work).sum(-1, keepdim=True)
-        elif beta == 2:
+        elif isinstance(beta, float) and beta == 2:
             total, slope = torch.linalg.vector_norm(u, 2, -1, keepdim=True).square_(), u.sum(-1, keepdim=True)
-        else:
-            total = torch.pow(u, beta, out=work).sum(-1, keepdim=True)
-            slope = torch.pow(u, beta - 1, out=work).sum(-1, keepdim=True)
+        else:  # one power a pass: u**beta = u**(beta-1) * u (u >= 0, beta > 1)
+            torch.pow(u, exponent, out=work)
+            slope = (work.masked_fill_(u == 0, 0) if zero_power else work).sum(-1, keepdim=True)
+            total = torch.linalg.vecdot(work, u).unsqueeze(-1)
         total, slope = total.double() * am1**beta, slope.double() * am1 ** (beta - 1)
         norm = total.pow(am1)
         step = (norm - 1) * (total / norm) / slope
@@ -189,8 +195,11 @@ def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tenso
     """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
         return _sync_free.find_threshold(rows, masked, alpha, solve, k0, *row_args)
-    if rows.shape[-1] <= SHORT_ROWS and not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
-        return dense_solve(rows, alpha, masked)
+    if rows.shape[-1] <= SHORT_ROWS:
+        if not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
+            return dense_solve(rows, alpha, masked)
+        if isinstance(alpha, torch.Tensor) and bool(((alpha >= 1.125) & (alpha <= 2)).all()):  # one host test
+            return dense_solve(rows, row_args[0] if row_args else alpha.expand(rows.shape[0], 1), masked)
     return solve_on_top(rows, solve, k0, masked, *row_args)
 
 

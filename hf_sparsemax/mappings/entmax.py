@@ -129,16 +129,16 @@ def entmax_bisect_rows(
     rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and ``tau - (alpha-1) max(x)``."""
-    if isinstance(alpha, torch.Tensor):
-        solve = functools.partial(bisect_solve, n_iter=n_iter)
-        top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES, alpha.to(rows.device))
-        alpha = alpha.to(rows.dtype)
-    elif n_iter is None:
-        solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
-        top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES)
+    if isinstance(alpha, torch.Tensor):  # per row: reaches the solver as a row argument
+        solve, row_args = functools.partial(bisect_solve, n_iter=n_iter), (alpha.to(rows.device),)
+    else:
+        solve, row_args = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter), ()
+    if n_iter is None:
+        top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES, *row_args)
     else:  # a fixed number of steps on the candidate sets, as documented
-        solve = functools.partial(bisect_solve, alpha=alpha, n_iter=n_iter)
-        top1, tau, _ = solve_on_top(rows, solve, CANDIDATES, masked)
+        top1, tau, _ = solve_on_top(rows, solve, CANDIDATES, masked, *row_args)
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.to(rows.dtype)
     return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), tau
 
 
