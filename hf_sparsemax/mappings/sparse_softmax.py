@@ -76,9 +76,9 @@ def top_k_log_total(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, masked: float) -> torch.Tensor:
     """The value ``floor`` of each row (``[rows, 1]``) with ``Omega = {x >= floor}`` (``-inf`` keeps all).
 
-    ``top_p`` alone looks at the top ``NUCLEUS_CANDIDATES`` entries and sorts
-    the whole row only where the nucleus is larger (flat logits), those rows
-    alone (eagerly one host sync; compiled, inside an opaque op).
+    ``top_p`` alone looks at the top ``NUCLEUS_CANDIDATES`` entries; only rows
+    whose nucleus is larger look again, among four times as many, up to the
+    whole sorted row (eagerly with host syncs; compiled, inside an opaque op).
     """
     n = rows.shape[-1]
     if top_k is not None and top_k < n:
@@ -99,12 +99,19 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
 
 
 def nucleus_whole_rows_eager(rows, floor, fits, log_total, top_p: float, masked: float) -> torch.Tensor:
-    """``floor`` with the rows whose nucleus does not ``fit`` in the candidates found on their whole sorted row."""
+    """``floor`` with the rows whose nucleus does not ``fit`` in the candidates found again among four
+    times as many candidates, and so on up to the whole sorted row."""
     floor = floor.clone()
+    n, c = rows.shape[-1], NUCLEUS_CANDIDATES
     todo = (~fits).squeeze(1).nonzero().squeeze(1)
-    if todo.numel():
-        top = rows.index_select(0, todo).sort(dim=-1, descending=True).values
-        floor[todo] = nucleus_floor(top, log_total.index_select(0, todo), top_p, masked)[0]
+    while todo.numel():
+        c = min(4 * c, n)
+        sub = rows.index_select(0, todo)
+        top = sub.topk(c, dim=-1).values if c < n else sub.sort(dim=-1, descending=True).values
+        found, fit = nucleus_floor(top, log_total.index_select(0, todo), top_p, masked)
+        fit = fit.squeeze(1) | (c == n)
+        floor[todo[fit]] = found[fit]
+        todo = todo[~fit]
     return floor
 
 
