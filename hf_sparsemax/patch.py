@@ -33,6 +33,7 @@ from .mappings import registry
 from .load_marks import clear as clear_load_marks
 from .load_marks import keep_alpha_with_adapter, mark as mark_for_load, release_alpha_from_adapter
 from .settings import CONFIG_KEY, SparseSettings
+from .trainer_guard import install_trainer_guard, remove_trainer_guard
 from .trl_support import install_token_outputs, remove_token_outputs
 
 def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: torch.Tensor) -> torch.Tensor:
@@ -329,6 +330,7 @@ def patch_model(
     elif model is not inner:
         release_alpha_from_adapter(model)
     remove_matched_generate(inner)
+    remove_trainer_guard(inner)
     remove_token_outputs(inner)  # sits above the fused forward
     remove_fused_forward(inner)
     remove_cosine_head(inner)
@@ -338,6 +340,7 @@ def patch_model(
         install_cosine_head(inner, None if routes_loss_function(inner) else loss_function)
     if loss_function is not None:
         inner.loss_function = loss_function
+        install_trainer_guard(inner, settings.loss, registry.get(settings.loss).loss_rule)
         if losses.task == "causal_lm" and hasattr(inner, "generate"):
             install_matched_generate(inner)
         if losses.task == "causal_lm":
@@ -358,6 +361,7 @@ def unpatch_model(model):
     inner = base_model(model)
     restore_attention(inner)
     remove_matched_generate(inner)
+    remove_trainer_guard(inner)
     remove_token_outputs(inner)
     remove_fused_forward(inner)
     remove_cosine_head(inner)
