@@ -228,7 +228,7 @@ def dense_token_stats(logits, target, loss, options):
     else from its mapping over the whole vocabulary.
     """
     dtype, masked = work_dtype(logits.dtype), masked_below(logits.dtype)
-    if registry.loss_options(loss, options)[0].fused:
+    if registry.loss_options(loss, options).entry.fused:
         support = support_function(loss, options)
         distribution = lambda rows, t: support(rows, t, masked)[:2]  # noqa: E731
     else:
