@@ -29,10 +29,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mappings._core import masked_below, to_rows
-from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, precise_in_float32
+from .mappings._core import masked_below, support_backward, to_rows
+from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
+from .mappings.entmax import sqrt_on_support
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
-from .mappings.sparsemax import sparsemax_rows
+from .mappings.sparsemax import sparsemax_rows, support_indicator
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -62,29 +63,67 @@ class SparseLossFunction(torch.autograd.Function):
     """Per-item loss and its gradient ``(p - e_t) * grad`` for one mapping (``items_fn``).
 
     ``items_fn(rows, target, masked)`` returns ``(p, loss per item)`` on the ``[N, C]``
-    float rows; ``alpha`` (a tensor or None) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
+    float rows; ``alpha`` (None, or a tensor of one alpha per item) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
+
+    ``p`` is a second output (the public losses drop it) so that the gradient
+    ``p - e_t`` is a differentiable function of it: in double backward the
+    derivative reaches ``p`` and comes back here as ``grad_p``, answered with
+    the mapping's Jacobian ``vjp(p, grad_p, alpha_rows) -> (dx, dalpha per row)``
+    (a function of ``p`` only; the Jacobian in ``alpha`` too for a tensor ``alpha``).
+    A target at an excluded entry (``-inf`` / ``finfo.min``) has ``p_t = 0``
+    and a loss of ``+inf`` (:func:`excluded_target`).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, kept, alpha, items_fn):
+    def forward(ctx, logits, target, kept, alpha, items_fn, vjp):
         rows, _ = to_rows(logits, logits.dim() - 1)
-        p, items = items_fn(rows, target, masked_below(logits.dtype))
-        items = torch.where(kept, items, 0.0)
+        masked = masked_below(logits.dtype)
+        p, items = items_fn(rows, target, masked)
+        items = torch.where(kept, excluded_target(items, rows, target, masked), 0.0)
         ctx.save_for_backward(p, target, kept, alpha)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return items
+        ctx.logits_shape, ctx.logits_dtype, ctx.vjp = logits.shape, logits.dtype, vjp
+        ctx.set_materialize_grads(False)
+        return items, p
 
     @staticmethod
-    def backward(ctx, grad_items):
+    def backward(ctx, grad_items, grad_p):
         p, target, kept, alpha = ctx.saved_tensors
-        g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
-        dx = p * g
-        dx.scatter_add_(-1, target.unsqueeze(-1), -g)
-        d_alpha = None
-        if alpha is not None and ctx.needs_input_grad[3]:
-            d_alpha = tsallis_alpha_grad(p, alpha.reshape(-1, 1).to(p.dtype)).squeeze(-1) * g.squeeze(-1)
-            d_alpha = d_alpha.reshape(-1, 1).sum_to_size(alpha.reshape(-1, 1).shape).reshape(alpha.shape)
-        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, d_alpha, None
+        alpha_rows = None if alpha is None else alpha.to(p.dtype).reshape(-1, 1)
+        dx = d_alpha = None
+        if grad_items is not None:
+            g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
+            dx = (p * g).scatter_add(-1, target.unsqueeze(-1), -g)
+            if alpha is not None and ctx.needs_input_grad[3]:
+                d_alpha = tsallis_alpha_grad(p, alpha_rows) * g
+        if grad_p is not None:  # double backward: the mapping's Jacobian, from p
+            dx_p, d_alpha_p = ctx.vjp(p, grad_p.to(p.dtype), alpha_rows)
+            dx = dx_p if dx is None else dx + dx_p
+            if d_alpha_p is not None and ctx.needs_input_grad[3]:
+                d_alpha = d_alpha_p if d_alpha is None else d_alpha + d_alpha_p
+        if d_alpha is not None:
+            d_alpha = d_alpha.reshape(alpha.shape).to(alpha.dtype)
+        if dx is not None:
+            dx = dx.reshape(ctx.logits_shape).to(ctx.logits_dtype)
+        return dx, None, None, d_alpha, None, None
+
+
+def support_vjp(weights_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``vjp`` for :class:`SparseLossFunction` of a mapping whose Jacobian is ``diag(s) - s s^T / sum(s)``, ``s = weights_fn(p)``."""
+
+    def vjp(p, grad_p, alpha_rows):
+        return support_backward(grad_p, weights_fn(p), -1), None
+
+    return vjp
+
+
+def entmax_loss_vjp(alpha: float | None):
+    """``vjp`` of alpha-entmax: a float ``alpha``, or None for the per-row ``alpha_rows`` of a tensor alpha."""
+
+    def vjp(p, grad_p, alpha_rows):
+        a = alpha if alpha_rows is None else alpha_rows
+        return entmax_vjp(p, grad_p, a, -1, alpha_rows is not None)
+
+    return vjp
 
 
 def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -117,14 +156,25 @@ def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str
     return total if reduction == "sum" else total / kept.sum().clamp_min(1)
 
 
-def run_loss(logits, target, ignore_index, reduction, items_fn, alpha=None) -> torch.Tensor:
+def run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha=None) -> torch.Tensor:
     check_loss_args(logits, target, reduction)
     safe, kept = safe_target(target, logits.shape[-1], ignore_index)
     if logits.numel() == 0:
         out = logits.new_zeros(target.shape, dtype=torch.float32)
         return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
-    items = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn)
+    items, _ = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn, vjp)
     return reduce(items, kept, target.shape, reduction)
+
+
+def excluded_target(items: torch.Tensor, rows: torch.Tensor, target: torch.Tensor, masked: float) -> torch.Tensor:
+    """``+inf`` where the target entry is excluded (``-inf`` / at most ``finfo.min``; a fully masked row too).
+
+    The target then has probability 0, as for the likelihood losses. Rows
+    holding NaN or ``+inf`` stay NaN.
+    """
+    excluded = rows.gather(-1, target.unsqueeze(-1)).squeeze(-1) <= masked
+    top = rows.amax(-1)  # NaN when the row holds one
+    return items.masked_fill(excluded & (top < float("inf")), float("inf"))
 
 
 def sparse_softmax_loss(
@@ -147,7 +197,7 @@ def sparse_softmax_loss(
         p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
         return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(lambda p: p))
 
 
 def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
@@ -157,7 +207,7 @@ def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "m
         p, tau = sparsemax_rows(rows, masked)
         return p, fenchel_young_items(p, tau, 2.0, rows, t)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(support_indicator))
 
 
 def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
@@ -167,7 +217,7 @@ def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "me
         p, tau = entmax15_rows(rows, masked)
         return p, fenchel_young_items(p, tau, 1.5, rows, t)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(sqrt_on_support))
 
 
 def entmax_bisect_loss(
@@ -187,7 +237,7 @@ def entmax_bisect_loss(
         except RuntimeError:
             raise ValueError(f"alpha of shape {tuple(alpha.shape)} must broadcast to target shape "
                              f"{tuple(target.shape)}") from None
-        alpha_tensor = alpha
+        alpha_tensor = alpha.expand(target.shape).reshape(-1)  # one alpha per item (autograd sums back)
     else:
         per_item = alpha
 
@@ -198,7 +248,34 @@ def entmax_bisect_loss(
         p, tau = entmax_bisect_rows(work, a_work, masked)
         return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t).to(rows.dtype)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor)
+    vjp = entmax_loss_vjp(None if alpha_tensor is not None else alpha)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha_tensor)
+
+
+class StopGradientLossFunction(torch.autograd.Function):
+    """``(stop_gradient(p) - e_t) . x`` per item, with ``p`` given; gradient ``(p - e_t) * grad`` in ``x``, none in ``p``.
+
+    ``p`` comes in with its own graph (the mapping's), so in double backward
+    the derivative of ``p - e_t`` runs through the mapping's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, p, target, kept):
+        rows, _ = to_rows(logits, logits.dim() - 1)
+        top = rows.amax(-1, keepdim=True)
+        shifted = torch.where(p > 0, rows - top, 0)
+        items = (p * shifted).sum(-1) - (rows.gather(-1, target.unsqueeze(-1)) - top).squeeze(-1)
+        items = torch.where(kept, excluded_target(items, rows, target, masked_below(logits.dtype)), 0.0)
+        ctx.save_for_backward(p, target, kept)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return items
+
+    @staticmethod
+    def backward(ctx, grad_items):
+        p, target, kept = ctx.saved_tensors
+        g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
+        dx = (p * g).scatter_add(-1, target.unsqueeze(-1), -g)
+        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
 
 
 def callable_mapping_loss(
@@ -208,17 +285,18 @@ def callable_mapping_loss(
     """``(stop_gradient(p) - e_t) . x`` with ``p = mapping(x)`` along the last dim: gradient ``p - e_t``.
 
     The engine of :func:`hf_sparsemax.mapping_loss` (which also takes a
-    registered name); the value is not comparable across mappings.
+    registered name); the value is not comparable across mappings. Its
+    second derivative is the mapping's Jacobian (through ``p``'s own graph).
     """
-
-    def items_fn(rows, t, masked):
-        with torch.no_grad():
-            p = mapping(rows).to(rows.dtype)
-        top = rows.amax(-1, keepdim=True)
-        shifted = torch.where(p > 0, rows - top, 0)
-        return p, (p * shifted).sum(-1) - (rows.gather(-1, t.unsqueeze(-1)) - top).squeeze(-1)
-
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    check_loss_args(logits, target, reduction)
+    safe, kept = safe_target(target, logits.shape[-1], ignore_index)
+    if logits.numel() == 0:
+        out = logits.new_zeros(target.shape, dtype=torch.float32)
+        return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
+    rows, _ = to_rows(logits, logits.dim() - 1)
+    p = mapping(rows).to(rows.dtype)
+    items = StopGradientLossFunction.apply(logits, p, safe.to(rows.device), kept.to(rows.device))
+    return reduce(items, kept, target.shape, reduction)
 
 
 class _LossModule(nn.Module):
