@@ -87,7 +87,7 @@ def support_function(name: str, options: dict) -> SupportFn:
     def threshold_fn(rows, t, masked):  # Fenchel-Young: threshold, support and loss from one solve
         work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
         index, p, tau = entry.support(work, masked, opts)
-        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
+        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t, masked).to(rows.dtype)
 
     return threshold_fn
 

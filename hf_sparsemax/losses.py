@@ -70,8 +70,8 @@ class SparseLossFunction(torch.autograd.Function):
     derivative reaches ``p`` and comes back here as ``grad_p``, answered with
     the mapping's Jacobian ``vjp(p, grad_p, alpha_rows) -> (dx, dalpha per row)``
     (a function of ``p`` only; the Jacobian in ``alpha`` too for a tensor ``alpha``).
-    A target at an excluded entry (``-inf`` / ``finfo.min``) has ``p_t = 0``
-    and a loss of ``+inf`` (:func:`excluded_target`).
+    ``items_fn`` gives a target at an excluded entry (``-inf`` / ``finfo.min``)
+    a loss of ``+inf`` (:func:`excluded_target`).
     """
 
     @staticmethod
@@ -79,7 +79,7 @@ class SparseLossFunction(torch.autograd.Function):
         rows, _ = to_rows(logits, logits.dim() - 1)
         masked = masked_below(logits.dtype)
         p, items = items_fn(rows, target, masked)
-        items = torch.where(kept, excluded_target(items, rows, target, masked), 0.0)
+        items = torch.where(kept, items, 0.0)
         ctx.save_for_backward(p, target, kept, alpha)
         ctx.logits_shape, ctx.logits_dtype, ctx.vjp = logits.shape, logits.dtype, vjp
         ctx.set_materialize_grads(False)
@@ -92,7 +92,7 @@ class SparseLossFunction(torch.autograd.Function):
         dx = d_alpha = None
         if grad_items is not None:
             g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
-            dx = (p * g).scatter_add(-1, target.unsqueeze(-1), -g)
+            dx = (p * g).scatter_add_(-1, target.unsqueeze(-1), -g)
             if alpha is not None and ctx.needs_input_grad[3]:
                 d_alpha = tsallis_alpha_grad(p, alpha_rows) * g
         if grad_p is not None:  # double backward: the mapping's Jacobian, from p
@@ -136,8 +136,11 @@ def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return (-s_log * denom - (1 - s) * (2 * alpha - 1)) / (denom * denom)
 
 
-def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
-    """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum."""
+def fenchel_young_items(p, tau, alpha, rows, target, masked: float = float("-inf")) -> torch.Tensor:
+    """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum.
+
+    ``+inf`` where the target is excluded (at most ``masked``), NaN on rows holding NaN or ``+inf``.
+    """
     top = rows.amax(-1, keepdim=True)
     if isinstance(alpha, torch.Tensor):
         sum_p_alpha = (p * p.pow(alpha - 1)).sum(-1, keepdim=True)
@@ -145,8 +148,9 @@ def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
         sum_p_alpha = torch.linalg.vector_norm(p, ord=alpha, dim=-1, keepdim=True).pow(alpha)
     p_dot_x = (tau.to(p.dtype) + sum_p_alpha) / (alpha - 1)
     entropy = (1 - sum_p_alpha) / (alpha * (alpha - 1))
-    x_t = rows.gather(-1, target.unsqueeze(-1)) - top
-    return (p_dot_x + entropy - x_t).squeeze(-1).clamp_min(0)
+    x_t = rows.gather(-1, target.unsqueeze(-1))
+    items = (p_dot_x + entropy - (x_t - top)).squeeze(-1).clamp_min(0)
+    return excluded_target(items, x_t.squeeze(-1), top.squeeze(-1) < float("inf"), masked)
 
 
 def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str) -> torch.Tensor:
@@ -166,15 +170,13 @@ def run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha=None)
     return reduce(items, kept, target.shape, reduction)
 
 
-def excluded_target(items: torch.Tensor, rows: torch.Tensor, target: torch.Tensor, masked: float) -> torch.Tensor:
-    """``+inf`` where the target entry is excluded (``-inf`` / at most ``finfo.min``; a fully masked row too).
+def excluded_target(items: torch.Tensor, x_t: torch.Tensor, row_ok: torch.Tensor, masked: float) -> torch.Tensor:
+    """``+inf`` where the target logit ``x_t`` is excluded (``-inf`` / at most ``finfo.min``; a fully masked row too).
 
     The target then has probability 0, as for the likelihood losses. Rows
-    holding NaN or ``+inf`` stay NaN.
+    that hold NaN or ``+inf`` (``row_ok`` False) stay NaN. All ``[N]``.
     """
-    excluded = rows.gather(-1, target.unsqueeze(-1)).squeeze(-1) <= masked
-    top = rows.amax(-1)  # NaN when the row holds one
-    return items.masked_fill(excluded & (top < float("inf")), float("inf"))
+    return items.masked_fill((x_t <= masked) & row_ok, float("inf"))
 
 
 def sparse_softmax_loss(
@@ -195,7 +197,9 @@ def sparse_softmax_loss(
     def items_fn(rows, t, masked):
         p = sparse_softmax_rows(rows, top_k, top_p, masked)
         p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
-        return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
+        x_t = rows.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        items = rows.gather(-1, j).squeeze(-1) - x_t - p_j.log().squeeze(-1)
+        return p, excluded_target(items, x_t, ~torch.isnan(p_j.squeeze(-1)), masked)
 
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(lambda p: p))
 
@@ -205,7 +209,7 @@ def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "m
 
     def items_fn(rows, t, masked):
         p, tau = sparsemax_rows(rows, masked)
-        return p, fenchel_young_items(p, tau, 2.0, rows, t)
+        return p, fenchel_young_items(p, tau, 2.0, rows, t, masked)
 
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(support_indicator))
 
@@ -215,7 +219,7 @@ def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "me
 
     def items_fn(rows, t, masked):
         p, tau = entmax15_rows(rows, masked)
-        return p, fenchel_young_items(p, tau, 1.5, rows, t)
+        return p, fenchel_young_items(p, tau, 1.5, rows, t, masked)
 
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(sqrt_on_support))
 
@@ -246,36 +250,43 @@ def entmax_bisect_loss(
         work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
         a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
         p, tau = entmax_bisect_rows(work, a_work, masked)
-        return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t).to(rows.dtype)
+        return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t, masked).to(rows.dtype)
 
     vjp = entmax_loss_vjp(None if alpha_tensor is not None else alpha)
     return run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha_tensor)
 
 
 class StopGradientLossFunction(torch.autograd.Function):
-    """``(stop_gradient(p) - e_t) . x`` per item, with ``p`` given; gradient ``(p - e_t) * grad`` in ``x``, none in ``p``.
+    """``(stop_gradient(p) - e_t) . x`` per item with ``p = mapping(x)``; gradient ``(p - e_t) * grad``.
 
-    ``p`` comes in with its own graph (the mapping's), so in double backward
-    the derivative of ``p - e_t`` runs through the mapping's own backward.
+    First-order backward reads the ``p`` saved in forward. Asked for a graph
+    (``create_graph=True``) it recomputes ``p`` from the saved logits through
+    the mapping's own autograd, so the second derivative is the mapping's
+    Jacobian ``dp/dx`` (the logits are kept for that: a reference, no copy).
     """
 
     @staticmethod
-    def forward(ctx, logits, p, target, kept):
+    def forward(ctx, logits, target, kept, mapping):
         rows, _ = to_rows(logits, logits.dim() - 1)
+        p = mapping(rows).to(rows.dtype)
         top = rows.amax(-1, keepdim=True)
         shifted = torch.where(p > 0, rows - top, 0)
-        items = (p * shifted).sum(-1) - (rows.gather(-1, target.unsqueeze(-1)) - top).squeeze(-1)
-        items = torch.where(kept, excluded_target(items, rows, target, masked_below(logits.dtype)), 0.0)
-        ctx.save_for_backward(p, target, kept)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return items
+        x_t = rows.gather(-1, target.unsqueeze(-1))
+        items = (p * shifted).sum(-1) - (x_t - top).squeeze(-1)
+        items = excluded_target(items, x_t.squeeze(-1), top.squeeze(-1) < float("inf"), masked_below(logits.dtype))
+        ctx.save_for_backward(logits, p, target, kept)
+        ctx.mapping = mapping
+        return torch.where(kept, items, 0.0)
 
     @staticmethod
     def backward(ctx, grad_items):
-        p, target, kept = ctx.saved_tensors
+        logits, p, target, kept = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph is wanted: p as a function of the logits
+            rows, _ = to_rows(logits, logits.dim() - 1)
+            p = ctx.mapping(rows).to(rows.dtype)
         g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
-        dx = (p * g).scatter_add(-1, target.unsqueeze(-1), -g)
-        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+        dx = (p * g).scatter_add_(-1, target.unsqueeze(-1), -g)
+        return dx.reshape(logits.shape).to(logits.dtype), None, None, None
 
 
 def callable_mapping_loss(
@@ -286,16 +297,14 @@ def callable_mapping_loss(
 
     The engine of :func:`hf_sparsemax.mapping_loss` (which also takes a
     registered name); the value is not comparable across mappings. Its
-    second derivative is the mapping's Jacobian (through ``p``'s own graph).
+    second derivative is the mapping's Jacobian.
     """
     check_loss_args(logits, target, reduction)
     safe, kept = safe_target(target, logits.shape[-1], ignore_index)
     if logits.numel() == 0:
         out = logits.new_zeros(target.shape, dtype=torch.float32)
         return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
-    rows, _ = to_rows(logits, logits.dim() - 1)
-    p = mapping(rows).to(rows.dtype)
-    items = StopGradientLossFunction.apply(logits, p, safe.to(rows.device), kept.to(rows.device))
+    items = StopGradientLossFunction.apply(logits, safe.to(logits.device), kept.to(logits.device), mapping)
     return reduce(items, kept, target.shape, reduction)
 
 

@@ -6,17 +6,11 @@ item, its gradient) NaN and leaves the other slices exactly as they are alone.
 Entries at ``-inf`` or at most ``finfo(dtype).min`` get probability 0, a fully
 masked slice maps to zeros with zero gradient, and a loss whose target is such
 an entry is ``+inf``. Also: half precision, empty tensors, bad options,
-permutation equivariance (bf16 logits tie often), and the CLI under a full disk
-and SIGINT (the lock and SIGKILL cases are in ``test_cli_faults.py``).
+permutation equivariance (bf16 logits tie often). The CLI under a full disk and
+SIGINT: ``test_faults_cli.py``; the lock and SIGKILL: ``test_cli_faults.py``.
 """
 
-import errno
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -328,13 +322,3 @@ def test_bad_tensor_alpha_and_inputs_are_refused():
         hs.entmax15(torch.randn(2, 5), dim=2)
     with pytest.raises(ValueError, match="outside \\[0, 5\\)"):
         hs.sparsemax_loss(torch.randn(2, 5), torch.tensor([0, 5]))
-
-
-# ---------------------------------------------------------------- the CLI: full disk, SIGINT
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cli_env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
