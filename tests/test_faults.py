@@ -153,7 +153,7 @@ EQUIVARIANT = [case for case in ALL if case[0] != "sparse_softmax" or not case[1
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", EQUIVARIANT, ids=case_id)
-def test_every_mapping_is_permutation_equivariant(case, dtype):
+def test_every_mapping_is_permutation_equivariant(case, dtype, length):
     f = mapping(*case)
 
     @given(row=logits(dtype), seed=st.integers(0, 2**16))
