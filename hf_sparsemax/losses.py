@@ -20,6 +20,10 @@ All take logits ``[..., C]`` and targets ``[...]``; items whose target is
 (over the counted items, 0 with zero gradient when there are none), ``"sum"``
 or ``"none"``. Losses are float32 (float64 for float64 logits). Nothing here
 synchronises with the device except target validation on CPU tensors.
+NaN or ``+inf`` in a row makes its item and its gradient NaN; a target at an
+excluded entry (``-inf`` / ``finfo.min``, a fully masked row too) has loss
+``+inf``. Every loss is twice differentiable: its Hessian is the mapping's
+Jacobian ``dp/dx`` (see :class:`SparseLossFunction`).
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ class SparseLossFunction(torch.autograd.Function):
 
 
 def support_vjp(weights_fn: Callable[[torch.Tensor], torch.Tensor]):
-    """``vjp`` for :class:`SparseLossFunction` of a mapping whose Jacobian is ``diag(s) - s s^T / sum(s)``, ``s = weights_fn(p)``."""
+    """``vjp`` of a mapping whose Jacobian is ``diag(s) - s s^T / sum(s)``, ``s = weights_fn(p)``."""
 
     def vjp(p, grad_p, alpha_rows):
         return support_backward(grad_p, weights_fn(p), -1), None

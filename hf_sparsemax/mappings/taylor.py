@@ -69,7 +69,8 @@ class TaylorSoftmaxFunction(torch.autograd.Function):
         x, p, slope = ctx.saved_tensors
         if torch.is_grad_enabled():  # a graph is wanted: p and slope as functions of x
             rows, shape = to_rows(x, ctx.dim)
-            p, slope = (t.reshape(shape).movedim(-1, ctx.dim) for t in taylor_rows(rows, ctx.order, masked_below(x.dtype)))
+            p, slope = taylor_rows(rows, ctx.order, masked_below(x.dtype))
+            p, slope = (t.reshape(shape).movedim(-1, ctx.dim) for t in (p, slope))
         g = grad.to(p.dtype)
         dx = slope * (g - (g * p).sum(ctx.dim, keepdim=True))
         return dx.to(grad.dtype), None, None
