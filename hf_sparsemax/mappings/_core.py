@@ -24,7 +24,9 @@ from typing import Callable
 
 import torch
 
-from . import _sync_free
+from ._sync_free import find_threshold as sync_free_threshold
+from ._sync_free import solve_on_top as sync_free_on_top
+from ._sync_free import threshold_map as sync_free_map
 
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
 DENSE_MAX_ITER = 50
@@ -118,7 +120,7 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     rows holding NaN or ``+inf`` get ``tau = NaN``.
     """
     if torch.compiler.is_compiling():
-        return (*_sync_free.solve_on_top(rows, solve, k0, masked, *row_args),)
+        return sync_free_on_top(rows, solve, k0, masked, *row_args)
     n_rows, n = rows.shape
     k = min(k0, n)
     top = rows.topk(k, dim=-1).values.double()
@@ -194,7 +196,7 @@ def dense_solve_block(rows: torch.Tensor, alpha: float | torch.Tensor, masked: f
 def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):
     """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
-        return _sync_free.find_threshold(rows, masked, alpha, solve, k0, *row_args)
+        return sync_free_threshold(rows, masked, alpha, solve, k0, *row_args)
     if rows.shape[-1] <= SHORT_ROWS:
         if not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
             return dense_solve(rows, alpha, masked)
@@ -217,7 +219,7 @@ def threshold_map(
     ``scale`` / ``power`` are ``[rows, 1]``.
     """
     if torch.compiler.is_compiling():
-        return _sync_free.threshold_map(rows, shift, tau, scale, power)
+        return sync_free_map(rows, shift, tau, scale, power)
     out = torch.empty_like(rows)
     tau = tau.to(rows.dtype)
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))

@@ -33,6 +33,7 @@ SHORT_ROWS = 2048  # same split as the eager path: whole-row Newton up to here, 
 NEWTON_STEPS = 7  # whole-row Newton passes before the certificate (entmax; quadratic convergence)
 MICHELOT_STEPS = 10  # the same for sparsemax, whose Newton (Michelot's algorithm) is linear on flat rows
 MAX_STEPS = 50  # bisection: a bracket of width 1 halves to 2**-50 < 1e-13
+SOLVERS: dict[str, Callable] = {}  # the eager exact row solvers by name, filled in by sparsemax.py and entmax.py
 
 
 def special_rows(top1: torch.Tensor, masked: float) -> torch.Tensor:
@@ -152,19 +153,15 @@ def exact_threshold(
     are its inputs' shapes. (``torch.cond`` would do the same, but dynamo then
     loses attributes that transformers' KV cache sets later in the same graph.)
     """
-    from . import entmax, sparsemax
-
     tau, size = tau.clone(), size.clone()
     todo = (~done).squeeze(1).nonzero().squeeze(1)
     if todo.numel():
         top = rows.index_select(0, todo).sort(dim=-1, descending=True).values.double()
-        if kind == "sparsemax_solve":
-            t, s = sparsemax.sparsemax_solve(top, top > masked)
-        elif kind == "entmax15_solve":
-            t, s = entmax.entmax15_solve(top, top > masked)
+        if kind in ("sparsemax_solve", "entmax15_solve"):
+            t, s = SOLVERS[kind](top, top > masked)
         else:
             a = alpha_rows.index_select(0, todo) if alpha_rows is not None else alpha
-            t, s = entmax.bisect_solve(top, top > masked, a, None if n_iter == 0 else n_iter)
+            t, s = SOLVERS["bisect_solve"](top, top > masked, a, None if n_iter == 0 else n_iter)
         tau[todo], size[todo] = mark_special_rows(t, top[:, :1], masked).to(tau.dtype), s.to(size.dtype)
     return tau, size
 

@@ -28,7 +28,8 @@ import numbers
 
 import torch
 
-from . import _sync_free
+from ._sync_free import SOLVERS
+from ._sync_free import bisect_solve as sync_free_bisect
 from ._core import (
     SupportMapping,
     check_input,
@@ -85,7 +86,7 @@ def bisect_solve(
     bisection otherwise.
     """
     if torch.compiler.is_compiling():  # a fixed number of steps, no convergence test
-        return _sync_free.bisect_solve(top, valid, alpha, n_iter)
+        return sync_free_bisect(top, valid, alpha, n_iter)
     am1 = alpha.double() - 1 if isinstance(alpha, torch.Tensor) else alpha - 1
     beta = 1 / am1
     newton_rows = beta >= 1
@@ -265,3 +266,6 @@ def entmax_bisect(
     if n_iter is not None and (not isinstance(n_iter, int) or n_iter < 1):
         raise ValueError(f"n_iter must be None or a positive integer, got {n_iter!r}")
     return EntmaxBisectFunction.apply(x, alpha, dim, n_iter)
+
+
+SOLVERS.update(entmax15_solve=entmax15_solve, bisect_solve=bisect_solve)  # for the compiled path's exact fallback

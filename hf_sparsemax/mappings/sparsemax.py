@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._core import SupportMapping, check_input, find_threshold, threshold_map, threshold_support
+from ._sync_free import SOLVERS
 
 CANDIDATES = 32  # top entries examined first; rows whose support is larger retry with more
 
@@ -58,3 +59,6 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
     dim = check_input(x, dim)
     return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked)[0], support_indicator)
+
+
+SOLVERS.update(sparsemax_solve=sparsemax_solve)  # for the compiled path's exact fallback
