@@ -142,6 +142,7 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
                                "seed": recipe.training_args(variant).get("seed")}
     results.update(runner.train(trainer, work, resume))
     results.update(runner.evaluate(trainer))
+    results.update(runner.learned_alphas(trainer.model))
     attention = None
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels)
