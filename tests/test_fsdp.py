@@ -17,9 +17,7 @@ import torch
 from fsdp_worker import data, model, step
 from test_ddp import free_port
 
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 def test_two_process_fsdp2_gives_the_single_process_step(tmp_path):
     out = tmp_path / "fsdp.json"
     here = os.path.dirname(__file__)
@@ -44,3 +42,16 @@ def test_two_process_fsdp2_gives_the_single_process_step(tmp_path):
         torch.testing.assert_close(torch.tensor(fsdp["params"][name]), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
     moved = [(params[n] - dict(start.named_parameters())[n]).abs().max().item() for n in alphas]
     assert min(moved) > 0  # the alphas trained (so "equal" is not "both unchanged")
+
+
+def test_fsdp_on_cpu_through_trainer_is_refused_not_silently_ddp(tmp_path, monkeypatch, capsys):
+    """accelerate 1.15 enables FSDP only on GPU-like devices: on CPU, Trainer would train plain DDP instead."""
+    from test_recipes import run, write_recipe
+
+    recipe = write_recipe(tmp_path, str(tmp_path / "never_loaded"))
+    assert run("train", recipe, "--output", tmp_path / "a", "--set", "training.fsdp=full_shard auto_wrap") == 2
+    assert "FSDP was asked for" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --use_fsdp` sets
+    assert run("compare", recipe, "--output", tmp_path / "b") == 2
+    assert "plain DDP" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

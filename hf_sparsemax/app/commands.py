@@ -110,9 +110,27 @@ def check_output(folder: str) -> None:
                           "choose another --output")
 
 
+def check_fsdp_device(recipe: Recipe, variant: Variant) -> None:
+    """FSDP asked for (``accelerate launch --use_fsdp`` or ``training.fsdp``) where training runs on CPU is refused.
+
+    accelerate (1.15) turns FSDP on only for GPU-like devices; on CPU the processes silently train as plain
+    DDP (``DistributedType.MULTI_CPU``), or each alone when ``use_cpu`` is off, so the run would not be what
+    was asked for. (torch's own ``fully_shard`` does shard on CPU with gloo: see tests/test_fsdp.py.)
+    """
+    import torch
+
+    args = recipe.training_args(variant)
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(args.get("fsdp"))
+    if asked and (args.get("use_cpu") or not torch.accelerator.is_available()):
+        raise RecipeError("FSDP was asked for (accelerate launch --use_fsdp or training.fsdp), but training runs on "
+                          "CPU, where accelerate does not shard (the processes would train as plain DDP): launch "
+                          "with --multi_gpu for DDP on CPU, or on GPUs with --set training.use_cpu=false")
+
+
 def check(recipe: Recipe, variants: list[Variant], output: str) -> None:
     """Everything checkable before loading: each variant's training arguments, data, output folder, model location."""
     for variant in variants:
+        check_fsdp_device(recipe, variant)
         args = runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
         args.world_size  # sets up the process group under `accelerate launch`, so barrier() works from here on
     check_source(recipe.data)
