@@ -6,10 +6,11 @@ import os
 import statistics
 
 import pytest
+import yaml
 
 from hf_sparsemax.app import seeds
 from hf_sparsemax.app.recipes import RecipeError, load_recipe
-from test_recipes import run, tiny_llama, write_recipe  # noqa: F401  (tiny_llama is a fixture)
+from test_recipes import run, tiny_bert, tiny_llama, write_recipe  # noqa: F401  (fixtures)
 
 
 def test_spread_is_mean_sample_std_min_max():
@@ -96,3 +97,23 @@ def test_compare_with_seeds_reports_mean_and_spread(tiny_llama, tmp_path, capsys
         f"{results['softmax_ce']['spread']['cross_entropy']['std']:.3f}"
     assert "| top3 | plain generate (softmax, top-k=50) |" in text
     assert (out / "samples.txt").read_text().count("=== top3-seed") == 3
+
+
+def test_classification_with_seeds(tiny_bert, tmp_path, capsys):
+    recipe = {
+        "name": "cls", "task": "sequence_classification", "model": tiny_bert,
+        "data": {"source": "fortunes", "categories": ["limerick", "murphy", "zippy"], "train_size": 8,
+                 "eval_size": 4, "max_length": 64},
+        "training": {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "disable_tqdm": True},
+        "variants": {"ce": {}, "sparsemax": {"loss": "sparsemax"}}, "seeds": [3, 4],
+    }
+    path = tmp_path / "cls.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert run("compare", path, "--output", tmp_path / "out") == 0
+    assert "compared 2 variants x 2 seeds" in capsys.readouterr().out.strip().splitlines()[-1]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["variant"], r["seeds"]) for r in results] == [("ce", [3, 4]), ("sparsemax", [3, 4])]
+    for r in results:
+        assert r["accuracy"] == pytest.approx(statistics.fmean(run["accuracy"] for run in r["runs"]))
+        assert "per_class" not in r and all("per_class" in run for run in r["runs"])  # per seed only
+    assert {"confusion_matrix.png", "ce-seed3", "sparsemax-seed4"} <= set(os.listdir(tmp_path / "out"))

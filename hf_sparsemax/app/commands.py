@@ -306,7 +306,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
                 label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
                 histories.setdefault(variant.name, {})[label] = json.load(handle)
     seconds = time.perf_counter() - start
-    firsts = list({r["variant"]: r for r in reversed(results)}.values())[::-1]  # each variant's first run
+    firsts = [runs[0] for runs in seeds.by_variant(results).values()]  # each variant's first seed (plots)
     table = results if recipe.seeds is None else seeds.aggregate(results)
     if is_main_process():
         figures = ["loss_curves.png"]

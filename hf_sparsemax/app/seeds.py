@@ -44,6 +44,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def by_variant(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs grouped by ``variant``, variants in the order first seen, runs in their order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(run["variant"], []).append(run)
+    return groups
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per variant (in the order first seen) from the per-seed results of every run.
 
@@ -51,11 +59,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (``{key: {"std", "min", "max"}}``), ``decoders`` summarised row by row the same way, and ``runs``
     (the per-seed results as they were written).
     """
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for run in runs:
-        groups.setdefault(run["variant"], []).append(run)
     out = []
-    for name, rows in groups.items():
+    for rows in by_variant(runs).values():
         entry = {k: v for k, v in summarise(rows).items() if k not in PER_RUN}
         entry["seeds"] = [r.get("seed") for r in rows]
         if all(r.get("decoders") for r in rows):
