@@ -35,6 +35,7 @@ def test_aggregate_groups_runs_by_variant_in_order():
                               "spread": {"support_size": {"std": pytest.approx(math.sqrt(0.5)), "min": 10.0,
                                                           "max": 11.0}}}]
     assert b["runs"] == [runs[0], runs[2]] and "texts" not in b and b["flag"] is True and "seed" not in b
+    assert b["decoders"][0]["decoder"] == "matched"
     assert a["seeds"] == [0] and a["spread"]["final_loss"]["std"] == 0.0
 
 
@@ -88,6 +89,10 @@ def test_compare_with_seeds_reports_mean_and_spread(tiny_llama, tmp_path, capsys
         assert matched["decoder"] == "matched" and matched["outside_support_mass"] == 0
         assert matched["epsilon_perplexity"] == pytest.approx(entry["epsilon_perplexity"], rel=1e-4)
     assert results["top3"]["support_size"] == 3 and results["top3"]["spread"]["support_size"]["std"] == 0
+    assert results["top3"]["eval_examples"] == 4 and isinstance(results["top3"]["eval_examples"], int)
+    assert all(isinstance(r["attention_zero_share"], float) for e in results.values() for r in e["runs"])
+    assert results["top3"]["attention_zero_share"] == pytest.approx(
+        statistics.fmean(r["attention_zero_share"] for r in results["top3"]["runs"]))
     text = (out / "report.md").read_text()
     assert "mean ± sample standard deviation over the seeds" in text
     table = [b for b in text.split("\n\n") if b.startswith("| variant | attention")][0].splitlines()

@@ -284,22 +284,21 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
     for folder, variant in runs:
         vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
-        heatmap = variant.name not in maps  # one heatmap per variant (its first seed)
         if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):
             with open(done, encoding="utf-8") as handle:
                 result = json.load(handle)
             attention = None
-            if recipe.task == "causal_lm" and is_main_process() and heatmap:
+            if recipe.task == "causal_lm" and is_main_process() and variant.name not in maps:
                 model = runner.load_trained(recipe, vdir).model
                 attention = runner.attention_map(model, tokenizer, recipe)
                 del model
         else:
             os.makedirs(vdir, exist_ok=True)
             result, attention = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, vdir,
-                                            resume, heatmap=heatmap)
+                                            resume, heatmap=True)
         result["run"] = folder
         results.append(result)
-        if attention is not None:
+        if attention is not None and variant.name not in maps:  # the heatmap shows each variant's first seed
             maps[variant.name] = attention
         if is_main_process():
             with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:

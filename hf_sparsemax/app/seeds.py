@@ -2,8 +2,9 @@
 
 For each numeric result ``x_1 .. x_n`` of the ``n`` seeds of a variant
 (held-out metrics, final loss, train seconds, and the same per decoder row),
-the entry holds the mean ``m = sum(x_i) / n`` under the result's own key, so
-every reader of a single-seed result reads the mean, and under ``spread``
+the entry holds the mean ``m = sum(x_i) / n`` under the result's own key
+(the value itself when every seed gave the same), so every reader of a
+single-seed result reads the mean, and under ``spread``
 the sample standard deviation ``sqrt(sum((x_i - m)**2) / (n - 1))`` (0 for
 one seed), the minimum and the maximum. A metric that is infinite for some
 seed (held-out cross-entropy of a sparse model) has mean ``inf`` and standard
@@ -41,6 +42,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if key in NOT_AVERAGED or not numeric(value) or not all(numeric(r.get(key)) for r in rows):
             continue
         out[key], out["spread"][key] = spread([float(r[key]) for r in rows])
+        if all(r[key] == value for r in rows):
+            out[key] = value  # the same for every seed (block counts, steps): kept as it is
     return out
 
 
