@@ -87,7 +87,7 @@ def support_function(name: str, options: dict) -> SupportFn:
     def threshold_fn(rows, t, masked):  # Fenchel-Young: threshold, support and loss from one solve
         work = rows if rows.dtype == torch.float64 or precise_in_float32(alpha) else rows.double()
         index, p, tau = entry.support(work, masked, opts)
-        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t).to(rows.dtype)
+        return index, p.to(rows.dtype), fenchel_young_items(p, tau, alpha, work, t, masked).to(rows.dtype)
 
     return threshold_fn
 
@@ -162,7 +162,34 @@ class SparseHeadLossFunction(torch.autograd.Function):
         if need_b:
             db = torch.zeros(vocab, dtype=dtype, device=vals.device).index_add_(0, cols, vals)
             db = ((db + dense[2]) if dense else db).mul_(grad_total).to(ctx.bias_dtype)
+        if torch.is_grad_enabled():  # create_graph=True: these gradients have no derivative of their own
+            dh, dw, db = (None if d is None else NoSecondDerivative.apply(d, hidden, weight) for d in (dh, dw, db))
         return dh, dw, db, None, None, None, None, None
+
+
+class NoSecondDerivative(torch.autograd.Function):
+    """Identity on a gradient of the fused head loss; differentiating it raises an error saying what to do.
+
+    The fused backward is a product with a compact support stored in forward,
+    not a function of the inputs autograd could differentiate, so a second
+    derivative through it would be silently wrong (the support's dependence
+    on ``hidden`` and ``weight`` is lost). First derivatives with
+    ``create_graph=True`` (e.g. a penalty on other parameters) still work.
+    """
+
+    @staticmethod
+    def forward(ctx, gradient: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return gradient.view_as(gradient)  # ``inputs``: what the gradient depends on, so the error is reached
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        raise RuntimeError(
+            "fused_head_loss (the fused sparse head loss, loss_options={'fused': True}) has no second derivative: "
+            "its backward is a sparse product over the support kept from forward. For double backward "
+            "(gradient penalties, Hessian-vector products, meta-learning) compute the logits and use the unfused "
+            "loss, e.g. hf_sparsemax.sparsemax_loss(hidden @ weight.T, labels), or patch_model without "
+            "loss_options fused=True"
+        )
 
 
 def sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:

@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import typing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +110,15 @@ def router_refusal(model) -> ValueError:
     )
 
 
-def head_values(model, transform: HeadTransform) -> tuple[float | None, float | None]:
-    """``(scale, softcap)`` for :func:`~hf_sparsemax.fused_head_loss`, read from the model now (None: not applied)."""
+class HeadValues(typing.NamedTuple):
+    """The head transform's values for :func:`~hf_sparsemax.fused_head_loss` (None: not applied)."""
+
+    scale: float | None
+    softcap: float | None
+
+
+def head_values(model, transform: HeadTransform) -> HeadValues:
+    """``logit_scale`` and ``softcap`` for :func:`~hf_sparsemax.fused_head_loss`, read from the model now."""
     scale = None
     for path, invert in ((transform.multiply, False), (transform.divide, True)):
         if path is not None:
@@ -119,7 +127,7 @@ def head_values(model, transform: HeadTransform) -> tuple[float | None, float | 
     softcap = None
     if transform.softcap is not None and attribute(model, transform.softcap) is not None:
         softcap = positive_number(model, transform.softcap)
-    return scale, softcap
+    return HeadValues(scale, softcap)
 
 
 def attribute(model, path: str):

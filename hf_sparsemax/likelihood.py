@@ -39,10 +39,11 @@ def nll_loss(logits, target, log_probs: Callable[[torch.Tensor, float], torch.Te
 
 
 def taylor_log_rows(rows: torch.Tensor, order: int, masked: float) -> torch.Tensor:
-    """``log p`` of Taylor softmax on ``[N, C]`` rows; ``-inf`` where ``p = 0`` (masked), with zero gradient there."""
+    """``log p`` of Taylor softmax on ``[N, C]`` rows; ``-inf`` where ``p = 0`` (masked), with zero gradient there,
+    NaN on rows holding NaN or ``+inf``."""
     p = TaylorSoftmaxFunction.apply(rows, 1, order)
     positive = p > 0
-    return torch.where(positive, torch.where(positive, p, 1.0).log(), -math.inf)
+    return torch.where(positive, torch.where(positive, p, 1.0).log(), torch.where(torch.isnan(p), p, -math.inf))
 
 
 def taylor_softmax_loss(logits, target, order: int = 2, ignore_index: int = -100, reduction: str = "mean"):

@@ -22,6 +22,7 @@ from .settings import CONFIG_KEY, SparseSettings
 METHOD = "hf_sparsemax"  # the quant_method naming the load hook
 NOTE = "not a quantization: transformers' load hook that hf_sparsemax uses to restore its sparse attention and loss"
 TAG = "hf_sparsemax"
+FROM_MODEL_CONFIG = "_hf_sparsemax_from_model_config"  # on the model: its generation config's flag before mark
 
 
 class SparseLoadConfig(QuantizationConfigMixin):
@@ -84,6 +85,7 @@ def mark(model, settings: SparseSettings) -> None:
         if generation is not None:
             options = dict(sorted(settings.loss_options.items()))
             generation.hf_sparsemax = {"loss": settings.loss, "loss_options": options, "decoding": note}
+            vars(model).setdefault(FROM_MODEL_CONFIG, generation._from_model_config)  # for clear
             generation._from_model_config = False  # else transformers drops the entry when loading
     model.add_model_tags(tags)
 
@@ -103,9 +105,14 @@ def clear(model) -> None:
     generation = getattr(model, "generation_config", None)
     if generation is not None and "hf_sparsemax" in vars(generation):
         del generation.hf_sparsemax
+    from_model_config = vars(model).pop(FROM_MODEL_CONFIG, None)
+    if generation is not None and from_model_config is not None:
+        generation._from_model_config = from_model_config
     if model.model_tags:
         ours = (TAG, "sparse-loss-", "sparse-attention-")
         model.model_tags = [tag for tag in model.model_tags if not tag.startswith(ours)]
+        if not model.model_tags and "model_tags" in vars(model):
+            del model.model_tags  # the class's default (None) shows through again
 
 
 def keep_alpha_with_adapter(model) -> None:

@@ -20,6 +20,10 @@ All take logits ``[..., C]`` and targets ``[...]``; items whose target is
 (over the counted items, 0 with zero gradient when there are none), ``"sum"``
 or ``"none"``. Losses are float32 (float64 for float64 logits). Nothing here
 synchronises with the device except target validation on CPU tensors.
+NaN or ``+inf`` in a row makes its item and its gradient NaN; a target at an
+excluded entry (``-inf`` / ``finfo.min``, a fully masked row too) has loss
+``+inf``. Every loss is twice differentiable: its Hessian is the mapping's
+Jacobian ``dp/dx`` (see :class:`SparseLossFunction`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mappings._core import masked_below, to_rows
-from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, precise_in_float32
+from .mappings._core import masked_below, support_backward, to_rows
+from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
+from .mappings.entmax import sqrt_on_support
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
-from .mappings.sparsemax import sparsemax_rows
+from .mappings.sparsemax import sparsemax_rows, support_indicator
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -62,29 +67,67 @@ class SparseLossFunction(torch.autograd.Function):
     """Per-item loss and its gradient ``(p - e_t) * grad`` for one mapping (``items_fn``).
 
     ``items_fn(rows, target, masked)`` returns ``(p, loss per item)`` on the ``[N, C]``
-    float rows; ``alpha`` (a tensor or None) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
+    float rows; ``alpha`` (None, or a tensor of one alpha per item) gets ``dL/dalpha = dH_alpha(p)/dalpha``.
+
+    ``p`` is a second output (the public losses drop it) so that the gradient
+    ``p - e_t`` is a differentiable function of it: in double backward the
+    derivative reaches ``p`` and comes back here as ``grad_p``, answered with
+    the mapping's Jacobian ``vjp(p, grad_p, alpha_rows) -> (dx, dalpha per row)``
+    (a function of ``p`` only; the Jacobian in ``alpha`` too for a tensor ``alpha``).
+    ``items_fn`` gives a target at an excluded entry (``-inf`` / ``finfo.min``)
+    a loss of ``+inf`` (:func:`excluded_target`).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, kept, alpha, items_fn):
+    def forward(ctx, logits, target, kept, alpha, items_fn, vjp):
         rows, _ = to_rows(logits, logits.dim() - 1)
-        p, items = items_fn(rows, target, masked_below(logits.dtype))
+        masked = masked_below(logits.dtype)
+        p, items = items_fn(rows, target, masked)
         items = torch.where(kept, items, 0.0)
         ctx.save_for_backward(p, target, kept, alpha)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return items
+        ctx.logits_shape, ctx.logits_dtype, ctx.vjp = logits.shape, logits.dtype, vjp
+        ctx.set_materialize_grads(False)
+        return items, p
 
     @staticmethod
-    def backward(ctx, grad_items):
+    def backward(ctx, grad_items, grad_p):
         p, target, kept, alpha = ctx.saved_tensors
-        g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
-        dx = p * g
-        dx.scatter_add_(-1, target.unsqueeze(-1), -g)
-        d_alpha = None
-        if alpha is not None and ctx.needs_input_grad[3]:
-            d_alpha = tsallis_alpha_grad(p, alpha.reshape(-1, 1).to(p.dtype)).squeeze(-1) * g.squeeze(-1)
-            d_alpha = d_alpha.reshape(-1, 1).sum_to_size(alpha.reshape(-1, 1).shape).reshape(alpha.shape)
-        return dx.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, d_alpha, None
+        alpha_rows = None if alpha is None else alpha.to(p.dtype).reshape(-1, 1)
+        dx = d_alpha = None
+        if grad_items is not None:
+            g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
+            dx = (p * g).scatter_add_(-1, target.unsqueeze(-1), -g)
+            if alpha is not None and ctx.needs_input_grad[3]:
+                d_alpha = tsallis_alpha_grad(p, alpha_rows) * g
+        if grad_p is not None:  # double backward: the mapping's Jacobian, from p
+            dx_p, d_alpha_p = ctx.vjp(p, grad_p.to(p.dtype), alpha_rows)
+            dx = dx_p if dx is None else dx + dx_p
+            if d_alpha_p is not None and ctx.needs_input_grad[3]:
+                d_alpha = d_alpha_p if d_alpha is None else d_alpha + d_alpha_p
+        if d_alpha is not None:
+            d_alpha = d_alpha.reshape(alpha.shape).to(alpha.dtype)
+        if dx is not None:
+            dx = dx.reshape(ctx.logits_shape).to(ctx.logits_dtype)
+        return dx, None, None, d_alpha, None, None
+
+
+def support_vjp(weights_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``vjp`` of a mapping whose Jacobian is ``diag(s) - s s^T / sum(s)``, ``s = weights_fn(p)``."""
+
+    def vjp(p, grad_p, alpha_rows):
+        return support_backward(grad_p, weights_fn(p), -1), None
+
+    return vjp
+
+
+def entmax_loss_vjp(alpha: float | None):
+    """``vjp`` of alpha-entmax: a float ``alpha``, or None for the per-row ``alpha_rows`` of a tensor alpha."""
+
+    def vjp(p, grad_p, alpha_rows):
+        a = alpha if alpha_rows is None else alpha_rows
+        return entmax_vjp(p, grad_p, a, -1, alpha_rows is not None)
+
+    return vjp
 
 
 def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -97,8 +140,11 @@ def tsallis_alpha_grad(p: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return (-s_log * denom - (1 - s) * (2 * alpha - 1)) / (denom * denom)
 
 
-def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
-    """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum."""
+def fenchel_young_items(p, tau, alpha, rows, target, masked: float = float("-inf")) -> torch.Tensor:
+    """``(p - e_t) . x + H_alpha(p)`` per row from the threshold ``tau`` relative to the maximum.
+
+    ``+inf`` where the target is excluded (at most ``masked``), NaN on rows holding NaN or ``+inf``.
+    """
     top = rows.amax(-1, keepdim=True)
     if isinstance(alpha, torch.Tensor):
         sum_p_alpha = (p * p.pow(alpha - 1)).sum(-1, keepdim=True)
@@ -106,8 +152,9 @@ def fenchel_young_items(p, tau, alpha, rows, target) -> torch.Tensor:
         sum_p_alpha = torch.linalg.vector_norm(p, ord=alpha, dim=-1, keepdim=True).pow(alpha)
     p_dot_x = (tau.to(p.dtype) + sum_p_alpha) / (alpha - 1)
     entropy = (1 - sum_p_alpha) / (alpha * (alpha - 1))
-    x_t = rows.gather(-1, target.unsqueeze(-1)) - top
-    return (p_dot_x + entropy - x_t).squeeze(-1).clamp_min(0)
+    x_t = rows.gather(-1, target.unsqueeze(-1))
+    items = (p_dot_x + entropy - (x_t - top)).squeeze(-1).clamp_min(0)
+    return excluded_target(items, x_t.squeeze(-1), top.squeeze(-1) < float("inf"), masked)
 
 
 def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str) -> torch.Tensor:
@@ -117,14 +164,23 @@ def reduce(items: torch.Tensor, kept: torch.Tensor, target_shape, reduction: str
     return total if reduction == "sum" else total / kept.sum().clamp_min(1)
 
 
-def run_loss(logits, target, ignore_index, reduction, items_fn, alpha=None) -> torch.Tensor:
+def run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha=None) -> torch.Tensor:
     check_loss_args(logits, target, reduction)
     safe, kept = safe_target(target, logits.shape[-1], ignore_index)
     if logits.numel() == 0:
         out = logits.new_zeros(target.shape, dtype=torch.float32)
         return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
-    items = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn)
+    items, _ = SparseLossFunction.apply(logits, safe, kept, alpha, items_fn, vjp)
     return reduce(items, kept, target.shape, reduction)
+
+
+def excluded_target(items: torch.Tensor, x_t: torch.Tensor, row_ok: torch.Tensor, masked: float) -> torch.Tensor:
+    """``+inf`` where the target logit ``x_t`` is excluded (``-inf`` / at most ``finfo.min``; a fully masked row too).
+
+    The target then has probability 0, as for the likelihood losses. Rows
+    that hold NaN or ``+inf`` (``row_ok`` False) stay NaN. All ``[N]``.
+    """
+    return items.masked_fill((x_t <= masked) & row_ok, float("inf"))
 
 
 def sparse_softmax_loss(
@@ -145,9 +201,11 @@ def sparse_softmax_loss(
     def items_fn(rows, t, masked):
         p = sparse_softmax_rows(rows, top_k, top_p, masked)
         p_j, j = p.max(-1, keepdim=True)  # any kept j: logsumexp(x[Omega]) = x_j - log p_j
-        return p, (rows.gather(-1, j) - rows.gather(-1, t.unsqueeze(-1)) - p_j.log()).squeeze(-1)
+        x_t = rows.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        items = rows.gather(-1, j).squeeze(-1) - x_t - p_j.log().squeeze(-1)
+        return p, excluded_target(items, x_t, ~torch.isnan(p_j.squeeze(-1)), masked)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(lambda p: p))
 
 
 def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
@@ -155,9 +213,9 @@ def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "m
 
     def items_fn(rows, t, masked):
         p, tau = sparsemax_rows(rows, masked)
-        return p, fenchel_young_items(p, tau, 2.0, rows, t)
+        return p, fenchel_young_items(p, tau, 2.0, rows, t, masked)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(support_indicator))
 
 
 def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
@@ -165,9 +223,9 @@ def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "me
 
     def items_fn(rows, t, masked):
         p, tau = entmax15_rows(rows, masked)
-        return p, fenchel_young_items(p, tau, 1.5, rows, t)
+        return p, fenchel_young_items(p, tau, 1.5, rows, t, masked)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(sqrt_on_support))
 
 
 def entmax_bisect_loss(
@@ -187,7 +245,7 @@ def entmax_bisect_loss(
         except RuntimeError:
             raise ValueError(f"alpha of shape {tuple(alpha.shape)} must broadcast to target shape "
                              f"{tuple(target.shape)}") from None
-        alpha_tensor = alpha
+        alpha_tensor = alpha.expand(target.shape).reshape(-1)  # one alpha per item (autograd sums back)
     else:
         per_item = alpha
 
@@ -196,9 +254,43 @@ def entmax_bisect_loss(
         work = rows if rows.dtype == torch.float64 or precise_in_float32(a) else rows.double()
         a_work = a.to(work.dtype) if isinstance(a, torch.Tensor) else a
         p, tau = entmax_bisect_rows(work, a_work, masked)
-        return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t).to(rows.dtype)
+        return p.to(rows.dtype), fenchel_young_items(p, tau, a_work, work, t, masked).to(rows.dtype)
 
-    return run_loss(logits, target, ignore_index, reduction, items_fn, alpha_tensor)
+    vjp = entmax_loss_vjp(None if alpha_tensor is not None else alpha)
+    return run_loss(logits, target, ignore_index, reduction, items_fn, vjp, alpha_tensor)
+
+
+class StopGradientLossFunction(torch.autograd.Function):
+    """``(stop_gradient(p) - e_t) . x`` per item with ``p = mapping(x)``; gradient ``(p - e_t) * grad``.
+
+    First-order backward reads the ``p`` saved in forward. Asked for a graph
+    (``create_graph=True``) it recomputes ``p`` from the saved logits through
+    the mapping's own autograd, so the second derivative is the mapping's
+    Jacobian ``dp/dx`` (the logits are kept for that: a reference, no copy).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, kept, mapping):
+        rows, _ = to_rows(logits, logits.dim() - 1)
+        p = mapping(rows).to(rows.dtype)
+        top = rows.amax(-1, keepdim=True)
+        shifted = torch.where(p > 0, rows - top, 0)
+        x_t = rows.gather(-1, target.unsqueeze(-1))
+        items = (p * shifted).sum(-1) - (x_t - top).squeeze(-1)
+        items = excluded_target(items, x_t.squeeze(-1), top.squeeze(-1) < float("inf"), masked_below(logits.dtype))
+        ctx.save_for_backward(logits, p, target, kept)
+        ctx.mapping = mapping
+        return torch.where(kept, items, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_items):
+        logits, p, target, kept = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph is wanted: p as a function of the logits
+            rows, _ = to_rows(logits, logits.dim() - 1)
+            p = ctx.mapping(rows).to(rows.dtype)
+        g = torch.where(kept, grad_items, 0.0).to(p.dtype).unsqueeze(-1)
+        dx = (p * g).scatter_add_(-1, target.unsqueeze(-1), -g)
+        return dx.reshape(logits.shape).to(logits.dtype), None, None, None
 
 
 def callable_mapping_loss(
@@ -208,17 +300,16 @@ def callable_mapping_loss(
     """``(stop_gradient(p) - e_t) . x`` with ``p = mapping(x)`` along the last dim: gradient ``p - e_t``.
 
     The engine of :func:`hf_sparsemax.mapping_loss` (which also takes a
-    registered name); the value is not comparable across mappings.
+    registered name); the value is not comparable across mappings. Its
+    second derivative is the mapping's Jacobian.
     """
-
-    def items_fn(rows, t, masked):
-        with torch.no_grad():
-            p = mapping(rows).to(rows.dtype)
-        top = rows.amax(-1, keepdim=True)
-        shifted = torch.where(p > 0, rows - top, 0)
-        return p, (p * shifted).sum(-1) - (rows.gather(-1, t.unsqueeze(-1)) - top).squeeze(-1)
-
-    return run_loss(logits, target, ignore_index, reduction, items_fn)
+    check_loss_args(logits, target, reduction)
+    safe, kept = safe_target(target, logits.shape[-1], ignore_index)
+    if logits.numel() == 0:
+        out = logits.new_zeros(target.shape, dtype=torch.float32)
+        return reduce(out.reshape(-1), kept, target.shape, reduction) + 0 * logits.sum()
+    items = StopGradientLossFunction.apply(logits, safe.to(logits.device), kept.to(logits.device), mapping)
+    return reduce(items, kept, target.shape, reduction)
 
 
 class _LossModule(nn.Module):

@@ -24,6 +24,7 @@ instance ``forward`` on the model that computes this loss from ``labels``.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import types
 
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 
 from .losses import check_loss_args, reduce, safe_target
+from .mappings._core import check_input, masked_below, work_dtype
+from .mappings.sparse_softmax import sparse_softmax
 
 # model_type -> the nn.Linear (dotted path) that turns the pooled feature into the class logits
 COSINE_HEADS = {
@@ -80,9 +83,15 @@ def am_softmax_loss(cosines, target, margin: float = 0.35, scale: float = 30.0, 
 
 
 def am_softmax(cosines: torch.Tensor, dim: int = -1, margin: float = 0.35, scale: float = 30.0) -> torch.Tensor:
-    """The distribution an AM-softmax head predicts: ``softmax(scale * cosines)`` (the margin is a training device)."""
+    """The distribution an AM-softmax head predicts: ``softmax(scale * cosines)`` (the margin is a training device).
+
+    The masking conventions of every mapping: an entry at ``-inf`` or at most
+    ``finfo.min`` gets 0, a fully masked slice zeros, NaN or ``+inf`` makes its slice NaN.
+    """
     check_margin(margin, scale)
-    return torch.softmax(scale * cosines.float(), dim).to(cosines.dtype)
+    dim = check_input(cosines, dim)
+    x = scale * cosines.to(work_dtype(cosines.dtype))
+    return sparse_softmax(x.masked_fill(cosines <= masked_below(cosines.dtype), -math.inf), dim).to(cosines.dtype)
 
 
 def cosine_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,9 @@ class SparseLoader(HfQuantizer):
         settings = SparseSettings.from_config(model.config)
         options = settings.attention_options if settings is not None else None
         if options is not None and options.learn_alpha:
-            from .patch import attention_plan
+            from .swaps import ATTENTION, PatchRequest
 
-            add_learned_alpha(model, attention_plan(model, settings))
+            add_learned_alpha(ATTENTION.plan(model, PatchRequest(settings)))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -111,23 +111,24 @@ class SparseLoader(HfQuantizer):
 def has_loss_head(model, settings: SparseSettings) -> bool:
     """Whether the model has a head whose loss ``patch_model`` can swap to ``settings.loss``
     (``AutoModel`` gives a body without one)."""
-    from .patch import loss_plan
+    from .swaps import COSINE_HEAD, LOSS, PatchRequest
 
     try:
-        loss_plan(model, settings)
+        for swap in (COSINE_HEAD, LOSS):
+            swap.plan(model, PatchRequest(settings))
     except ValueError:
         return False
     return True
 
 
-def add_learned_alpha(model, plan) -> None:
-    """Give each attention module its ``LearnedAlpha`` (empty, on the loading device) before the weights load."""
+def add_learned_alpha(plan) -> None:
+    """Give each attention module of an attention plan its ``LearnedAlpha`` (empty, on the loading device)
+    before the weights load."""
     from .attention import LearnedAlpha
 
-    modules, options, heads = plan
-    for module, count in zip(modules, heads):
+    for module, count in zip(plan.modules, plan.heads):
         if ALPHA_ATTR not in module._modules:
-            module.add_module(ALPHA_ATTR, LearnedAlpha(count, options.alpha))
+            module.add_module(ALPHA_ATTR, LearnedAlpha(count, plan.options.alpha))
 
 
 def install_load_hook() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ from transformers.utils import ModelOutput
 
 from ._model import remove_instance_method
 from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
-from .fused_heads import head_transform, head_values
+from .fused_heads import HeadValues, head_transform, head_values
 from .loss_names import loss_mapping, make_loss
 from .losses import safe_target
 from .mappings import registry
@@ -161,18 +162,17 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
         hidden = hidden if shift_labels is not None else hidden[:, :-1]
         target = target.to(hidden.device)
         mask = target != -100
-        items, entropy, top1, total = fused_token_stats(
-            hidden, head, target, settings.loss, options, *head_values(model, transform))
-        count = mask.sum().clamp_min(1)
-        # value -items per token; gradient of the summed loss, spread evenly (TRL sums the tokens)
-        log_probs = -(scatter(items, mask) + (total - total.detach()) * mask / count)
+        stats = fused_token_stats(hidden, head, target, settings.loss, options, head_values(model, transform))
+        count, total = mask.sum().clamp_min(1), stats.total
+        # value -loss_t per token; gradient of the summed loss, spread evenly (TRL sums the tokens)
+        log_probs = -(scatter(stats.losses, mask) + (total - total.detach()) * mask / count)
     else:
         outputs = forward(*args, **kwargs)
         logits = outputs.logits if shift_labels is not None else outputs.logits[:, :-1]
         target = target.to(logits.device)
         mask = target != -100
         log_probs = -make_loss(settings.loss, **options)(logits, target, reduction="none")
-        entropy, top1 = dense_token_stats(logits[mask], target[mask], settings.loss, options)
+        stats = dense_token_stats(logits[mask], target[mask], settings.loss, options)
         aux_loss = getattr(outputs, "aux_loss", None)
     denominator = mask.sum().clamp_min(1) if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denominator):
@@ -180,8 +180,8 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
     loss = -log_probs.sum() / denominator
     if aux_loss is not None:
         loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux_loss
-    return TokenLossOutput(loss=loss, log_probs=log_probs, entropy=scatter(entropy, mask),
-                           is_top1=scatter(top1, mask), label_mask=mask, aux_loss=aux_loss)
+    return TokenLossOutput(loss=loss, log_probs=log_probs, entropy=scatter(stats.entropy, mask),
+                           is_top1=scatter(stats.is_top1, mask), label_mask=mask, aux_loss=aux_loss)
 
 
 def backbone_hidden(model, args, kwargs) -> torch.Tensor:
@@ -191,8 +191,18 @@ def backbone_hidden(model, args, kwargs) -> torch.Tensor:
     return getattr(model, model.base_model_prefix)(**inputs, **arguments.get("kwargs", {}))[0]
 
 
-def fused_token_stats(hidden, head, target, loss, options, scale, softcap):
-    """Per counted token ``(loss_t, entropy_t, is_top1_t)`` and the summed loss, from one chunked head pass.
+class TokenStats(NamedTuple):
+    """Per counted token: the loss (fused pass only), the entropy of the trained distribution, whether the label
+    is its most probable token; ``total``: the summed loss with its gradient (fused pass only)."""
+
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+    losses: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+
+
+def fused_token_stats(hidden, head, target, loss, options, values: HeadValues) -> TokenStats:
+    """Per counted token ``loss_t``, ``entropy_t``, ``is_top1_t`` and the summed loss, from one chunked head pass.
 
     The loss's support routine is wrapped to record, for each chunk, the
     per-token losses, ``-sum p log p`` over the support and whether the
@@ -207,28 +217,29 @@ def fused_token_stats(hidden, head, target, loss, options, scale, softcap):
 
     def recording_support(rows, t, masked):
         index, p, items = support(rows, t, masked)
-        records.append((items.float(), *token_stats(index, p, t)))
+        stats = token_stats(index, p, t)
+        records.append((items.float(), stats.entropy, stats.is_top1))
         return index, p, items
 
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
     total = SparseHeadLossFunction.apply(tokens, head.weight, head.bias, flat.index_select(0, kept),
-                                         recording_support, softcap, CHUNK_TOKENS, scale)
+                                         recording_support, values.softcap, CHUNK_TOKENS, values.scale)
     if not records:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty, empty.bool(), total
+        return TokenStats(empty, empty.bool(), empty, total)
     items, entropy, top1 = (torch.cat(column) for column in zip(*records))
-    return items, entropy, top1, total
+    return TokenStats(entropy, top1, items, total)
 
 
 @torch.no_grad()
-def dense_token_stats(logits, target, loss, options):
-    """``(entropy_t, is_top1_t)`` for ``[N, V]`` logits, ``CHUNK_TOKENS`` rows at a time.
+def dense_token_stats(logits, target, loss, options) -> TokenStats:
+    """``entropy_t`` and ``is_top1_t`` for ``[N, V]`` logits, ``CHUNK_TOKENS`` rows at a time.
 
     ``p`` comes from the loss's support routine where it has one (compact),
     else from its mapping over the whole vocabulary.
     """
     dtype, masked = work_dtype(logits.dtype), masked_below(logits.dtype)
-    if registry.loss_options(loss, options)[0].fused:
+    if registry.loss_options(loss, options).entry.fused:
         support = support_function(loss, options)
         distribution = lambda rows, t: support(rows, t, masked)[:2]  # noqa: E731
     else:
@@ -237,17 +248,16 @@ def dense_token_stats(logits, target, loss, options):
     stats = [token_stats(*distribution(rows.to(dtype), t), t)
              for rows, t in zip(logits.split(CHUNK_TOKENS), target.split(CHUNK_TOKENS))]
     if not stats:
-        return logits.new_zeros(0, dtype=torch.float32), target.new_zeros(0, dtype=torch.bool)
-    entropy, top1 = zip(*stats)
-    return torch.cat(entropy), torch.cat(top1)
+        return TokenStats(logits.new_zeros(0, dtype=torch.float32), target.new_zeros(0, dtype=torch.bool))
+    return TokenStats(torch.cat([row.entropy for row in stats]), torch.cat([row.is_top1 for row in stats]))
 
 
-def token_stats(index, p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(-sum_i p_i log p_i, [argmax_i p_i = t])`` per row; ``p`` dense (``index`` None) or over ``index``."""
+def token_stats(index, p: torch.Tensor, t: torch.Tensor) -> TokenStats:
+    """``-sum_i p_i log p_i`` and ``[argmax_i p_i = t]`` per row; ``p`` dense (``index`` None) or over ``index``."""
     top = p.argmax(-1, keepdim=True)
     if index is not None:
         top = index.gather(-1, top)
-    return -torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t
+    return TokenStats(-torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t)
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

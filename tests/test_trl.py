@@ -239,3 +239,26 @@ def test_a_deep_copy_answers_with_its_own_weights():
     hs.unpatch_model(twin)
     assert model._forward_pre_hooks and not twin._forward_pre_hooks
     assert torch.allclose(model(input_ids=ids, labels=ids, fused_lm_head=True).loss, model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("config", [{"label_smoothing_factor": 0.1}, {"loss_type": "dft"}])
+def test_settings_that_replace_a_fenchel_young_loss_are_refused(config, tmp_path):
+    """Label smoothing trains dense cross-entropy; DFT's exp(log_probs) weight is no probability under sparsemax."""
+    model = hs.patch_model(tiny_lm(), loss="sparsemax")
+    sft = trainer(model, tmp_path, **config)
+    model.train()
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1|loss_type='dft'"):
+        sft.compute_loss(model, dict(first_batch(sft)))
+
+
+def test_dft_weights_a_likelihood_loss_by_its_own_probability(tmp_path):
+    """Under sparse_softmax, DFT's weight exp(log_probs_t) is the trained distribution's p_t."""
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 5})
+    sft = trainer(model, tmp_path, loss_type="dft")
+    batch = first_batch(sft)
+    model.train()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    target = batch["labels"][:, 1:]
+    per_token = hs.sparse_softmax_loss(logits.flatten(0, 1), target.flatten(), top_k=5, reduction="none")
+    expected = (per_token * torch.exp(-per_token)).sum() / (target != -100).sum()
+    assert torch.allclose(sft.compute_loss(model, dict(batch)), expected, rtol=1e-5, atol=1e-6)

@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"hf-sparsemax: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the lock is released and unfinished work removed or kept for --resume
+        print("hf-sparsemax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,23 +53,53 @@ def start_work(work: str, resume: bool) -> None:
 
 
 def resumable(work: str) -> bool:
-    """Whether a work folder holds something ``resume`` can use: a checkpoint or a finished variant."""
-    for _, folders, files in os.walk(work):
-        if "results.json" in files or any(f.startswith("checkpoint-") for f in folders):
+    """Whether a work folder holds something ``resume`` can use: a complete checkpoint or a finished variant."""
+    for folder, folders, files in os.walk(work):
+        if "results.json" in files or any(complete_checkpoint(os.path.join(folder, f)) for f in folders):
             return True
     return False
 
 
+def complete_checkpoint(folder: str) -> bool:
+    """A Trainer checkpoint folder whose last file, ``trainer_state.json``, was written."""
+    return os.path.basename(folder).startswith("checkpoint-") and os.path.isfile(
+        os.path.join(folder, "trainer_state.json"))
+
+
+def drop_incomplete_checkpoints(work: str) -> list[str]:
+    """Remove checkpoint folders a failed write left half-done (``--resume`` would load them); their names."""
+    dropped = []
+    for folder, folders, _ in os.walk(work):
+        for name in folders:
+            path = os.path.join(folder, name)
+            if name.startswith("checkpoint-") and not complete_checkpoint(path):
+                shutil.rmtree(path, ignore_errors=True)
+                dropped.append(name)
+    return dropped
+
+
 @contextlib.contextmanager
 def discard_on_failure(work: str):
-    """If the block fails, remove the work folder it made again, unless it is :func:`resumable`."""
+    """If the block fails, remove the work folder it made again, unless it is :func:`resumable`.
+
+    A checkpoint left half-written (the disk filled up while Trainer saved
+    it) is removed first, and the failure becomes one ``OSError`` line saying so.
+    """
     created = missing_folders(work)
     try:
         yield
-    except BaseException:
-        if is_main_process() and not resumable(work):
+    except BaseException as error:
+        dropped = drop_incomplete_checkpoints(work) if is_main_process() else []
+        kept = resumable(work)
+        if is_main_process() and not kept:
             shutil.rmtree(work, ignore_errors=True)
             remove_empty(created)
+        if kept and isinstance(error, KeyboardInterrupt) and is_main_process():
+            print(f"hf-sparsemax: interrupted; --resume continues from the last checkpoint in {work}", flush=True)
+        if dropped and isinstance(error, (OSError, RuntimeError)):
+            then = f"--resume continues from the last complete checkpoint in {work}" if kept else "nothing was kept"
+            raise OSError(f"writing {dropped[0]} failed, is the disk full? ({error}); free some space and run "
+                          f"again ({then})") from error
         raise
 
 

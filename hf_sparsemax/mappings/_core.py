@@ -239,6 +239,59 @@ def threshold_support(
     return index, threshold_map(values, shift, tau, scale, power)
 
 
+class SupportPower(torch.autograd.Function):
+    """``u ** e`` where ``u > 0`` and exactly 0 elsewhere (``u >= 0``), with an exact derivative everywhere.
+
+    ``d/du = e u ** (e - 1)`` on ``u > 0`` and 0 at ``u = 0``: the support of
+    a sparse mapping is locally constant, so an entry outside it has no
+    derivative to pass on, while plain ``u ** e`` gives ``0 * inf = NaN`` there
+    for ``e < 1`` (``sqrt(p)`` at ``p = 0``). For a tensor exponent,
+    ``d/de = u ** e log u`` on ``u > 0``, 0 elsewhere. The backward is built
+    from this Function again, so every order of derivative is exact.
+    """
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u, exponent if isinstance(exponent, torch.Tensor) else None)
+        ctx.exponent = exponent
+        return support_power_values(u, exponent)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        u, exponent_tensor = ctx.saved_tensors
+        e = ctx.exponent if exponent_tensor is None else exponent_tensor
+        du = grad * e * SupportPower.apply(u, e - 1)
+        de = None
+        if exponent_tensor is not None and ctx.needs_input_grad[1]:
+            log_u = torch.where(u > 0, torch.where(u > 0, u, 1).log(), 0)
+            de = (grad * SupportPower.apply(u, e) * log_u).sum_to_size(exponent_tensor.shape)
+        return du, de
+
+
+def support_power_values(u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
+    """The values of :class:`SupportPower`, with fast paths for common float exponents (no graph)."""
+    if isinstance(exponent, torch.Tensor) or exponent < 0:
+        return torch.where(u > 0, u.pow(exponent), 0)
+    if exponent == 0:
+        return (u > 0).to(u.dtype)
+    if exponent == 1:
+        return u.clone()
+    if exponent == 0.5:
+        return u.sqrt()
+    return u * u if exponent == 2 else u.pow(exponent)
+
+
+def support_power(u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
+    """``u ** exponent`` on ``u > 0``, 0 elsewhere: plain ops without a graph, :class:`SupportPower` with one.
+
+    Inside a backward pass this takes the fast path unless the caller asked
+    for a graph (``create_graph=True``), so first derivatives cost nothing more.
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        u.requires_grad or (isinstance(exponent, torch.Tensor) and exponent.requires_grad))
+    return SupportPower.apply(u, exponent) if needs_graph else support_power_values(u, exponent)
+
+
 def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> torch.Tensor:
     """Backward shared by sparsemax and entmax: the Jacobian is ``diag(s) - s s^T / sum(s)``.
 
@@ -256,6 +309,11 @@ class SupportMapping(torch.autograd.Function):
     """A mapping whose Jacobian ``diag(s) - s s^T / sum(s)`` depends on its output only, ``s = weights_fn(p)``.
 
     ``rows_fn(rows, masked)`` computes the mapping of ``[rows, n]`` float rows.
+    The backward is made of differentiable operations on the saved output
+    ``p`` (whose own derivative is this Function's backward again), so double
+    backward and Hessian-vector products are exact wherever the support is
+    locally constant, provided ``weights_fn`` has an exact derivative on
+    ``p = 0`` too (the support indicator, ``p``, or :func:`support_power`).
     """
 
     @staticmethod

@@ -37,6 +37,7 @@ from ._core import (
     find_threshold,
     solve_on_top,
     support_backward,
+    support_power,
     threshold_map,
     threshold_support,
     work_dtype,
@@ -155,6 +156,28 @@ def entmax_bisect_support(
     return (*threshold_support(rows, top1, tau, size, alpha - 1, 1 / (alpha - 1)), tau)
 
 
+def entmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool):
+    """``(J_x^T g, J_alpha^T g)`` of alpha-entmax at its output ``p`` (the second summed along ``dim``, or None).
+
+    With ``s = p ** (2 - alpha)`` on the support: ``dx = s g - s sum(s g) / sum(s)``; with
+    ``s^ = s / sum(s)`` and ``beta = 1 / (alpha - 1)``:
+    ``dp/dalpha = beta**2 (p - s^) - beta (p log p - s^ sum(p log p))``.
+    Differentiable operations on ``p`` and ``alpha`` only, exact at ``p = 0``
+    (:func:`support_power`), so double backward through ``p`` is exact.
+    """
+    weights = support_power(p, 2 - alpha)
+    d_alpha = None
+    if alpha_grad:
+        beta = 1 / (alpha - 1)
+        skewed = weights / weights.sum(dim, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+        support = p > 0
+        plogp = torch.where(support, p * torch.where(support, p, 1).log(), 0)
+        entropy_term = plogp.sum(dim, keepdim=True)
+        dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
+        d_alpha = (g * dp).sum(dim, keepdim=True)
+    return support_backward(g, weights, dim), d_alpha
+
+
 class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
@@ -174,21 +197,15 @@ class EntmaxBisectFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """The closed-form Jacobians of :func:`entmax_vjp`; differentiable again (double backward, also in alpha)."""
         p, alpha = ctx.saved_tensors
         dtype = work_dtype(grad.dtype)
-        p, g = p.to(dtype), grad.to(dtype)
         a = alpha.to(dtype) if ctx.alpha_is_tensor else float(alpha)
-        weights = power(p, 2 - a)
-        d_alpha = None
-        if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
-            beta = 1 / (a - 1)
-            skewed = weights / weights.sum(ctx.dim, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-            plogp = torch.where(p > 0, p * p.clamp_min(torch.finfo(dtype).tiny).log(), 0)
-            entropy_term = plogp.sum(ctx.dim, keepdim=True)
-            dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
-            d_alpha = (g * dp).sum(ctx.dim, keepdim=True).sum_to_size(alpha.shape).to(alpha.dtype)
-        dx = support_backward(g, weights, ctx.dim).to(grad.dtype)
-        return dx, d_alpha, None, None
+        alpha_grad = ctx.alpha_is_tensor and ctx.needs_input_grad[1]
+        dx, d_alpha = entmax_vjp(p.to(dtype), grad.to(dtype), a, ctx.dim, alpha_grad)
+        if d_alpha is not None:
+            d_alpha = d_alpha.sum_to_size(alpha.shape).to(alpha.dtype)
+        return dx.to(grad.dtype), d_alpha, None, None
 
 
 def check_alpha(alpha: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> float | torch.Tensor:
@@ -206,6 +223,11 @@ def check_alpha(alpha: float | torch.Tensor, dtype: torch.dtype = torch.float32)
     return float(alpha)
 
 
+def sqrt_on_support(p: torch.Tensor) -> torch.Tensor:
+    """``sqrt(p)``, 1.5-entmax's support weights, with derivative 0 (not ``inf``) at ``p = 0``."""
+    return support_power(p, 0.5)
+
+
 def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """1.5-entmax along ``dim``: ``p = relu(x/2 - tau)**2`` with ``sum(p) = 1`` (exact threshold).
 
@@ -213,7 +235,7 @@ def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Backward: ``dx = s*g - s*sum(s*g)/sum(s)`` with ``s = sqrt(p)``.
     """
     dim = check_input(x, dim)
-    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked)[0], torch.sqrt)
+    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked)[0], sqrt_on_support)
 
 
 def entmax_bisect(

@@ -106,7 +106,7 @@ def perturb_log_rows(rows: torch.Tensor, noise: str = "gaussian", points: int = 
     log_q = torch.where(valid, torch.logsumexp(scores, -1), -math.inf)
     any_valid = valid.any(-1, keepdim=True)
     log_p = torch.where(valid, torch.log_softmax(torch.where(any_valid, log_q, 0.0), -1), -math.inf)
-    return torch.where(bad, math.nan, log_p)
+    return torch.where(bad, torch.where(bad, rows, 0.0) * math.nan, log_p)  # NaN, and a NaN gradient, on bad rows
 
 
 def perturb_max(x: torch.Tensor, dim: int = -1, noise: str = "gaussian", points: int = DEFAULT_POINTS) -> torch.Tensor:
@@ -123,5 +123,5 @@ def perturb_max(x: torch.Tensor, dim: int = -1, noise: str = "gaussian", points:
     check_perturb(noise, points)
     rows, shape = to_rows(x, dim)
     if rows.numel() == 0:
-        return x.new_zeros(x.shape)
+        return x * 0  # empty, and part of the graph like every mapping's output
     return from_rows(perturb_log_rows(rows, noise, points, masked_below(x.dtype)).exp(), shape, dim, x.dtype)

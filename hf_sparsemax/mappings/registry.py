@@ -24,7 +24,7 @@ tests.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -243,8 +243,16 @@ def attention_entry(name: str) -> Mapping:
     return entry
 
 
-def loss_options(name: str, options: dict[str, Any] | None):
-    """``(entry, validated mapping options, fused)`` of a loss name and its ``loss_options``."""
+class LossOptions(NamedTuple):
+    """A loss name's validated ``loss_options``: its entry, its mapping options object and ``fused``."""
+
+    entry: Mapping
+    options: Any
+    fused: bool
+
+
+def loss_options(name: str, options: dict[str, Any] | None) -> LossOptions:
+    """The entry, validated mapping options and ``fused`` of a loss name and its ``loss_options``."""
     entry = REGISTRY.get(name) if isinstance(name, str) else None
     if entry is None:
         raise ValueError(f"unknown loss {name!r}: choose one of {['cross_entropy', *names('loss')]}")
@@ -256,7 +264,7 @@ def loss_options(name: str, options: dict[str, Any] | None):
     parsed = entry.parse(options, fields + ("fused",), what="options of loss")
     if fused and not entry.fused:
         raise entry.refuse("fused")
-    return entry, parsed, fused
+    return LossOptions(entry, parsed, fused)
 
 
 def mapping_function(mapping: str | Callable, **options) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -28,12 +28,17 @@ def scaled_taylor(u: torch.Tensor, scale: torch.Tensor, order: int, degree: int)
 
 
 def taylor_rows(rows: torch.Tensor, order: int, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p, f'(x) / Z)`` of each row of a ``[rows, n]`` tensor."""
+    """``(p, f'(x) / Z)`` of each row of a ``[rows, n]`` tensor.
+
+    Differentiable in ``rows`` (the scale ``s`` is held constant: it cancels
+    from every ratio), which is what the double backward uses.
+    """
     valid = rows > masked
     if rows.numel() == 0:
         return rows.clone(), rows.clone()
-    scale = torch.where(valid, rows.abs(), 0).amax(-1, keepdim=True).clamp_min(1.0)
-    scale = torch.where(torch.isnan(rows).any(-1, keepdim=True), float("nan"), scale)
+    with torch.no_grad():
+        scale = torch.where(valid, rows.abs(), 0).amax(-1, keepdim=True).clamp_min(1.0)
+        scale = torch.where(torch.isnan(rows).any(-1, keepdim=True), float("nan"), scale)
     u = torch.where(valid, rows, 0) / scale
     f = torch.where(valid, scaled_taylor(u, scale, order, order), 0)
     total = f.sum(-1, keepdim=True)
@@ -43,17 +48,29 @@ def taylor_rows(rows: torch.Tensor, order: int, masked: float) -> tuple[torch.Te
 
 
 class TaylorSoftmaxFunction(torch.autograd.Function):
+    """Taylor softmax with the closed-form backward ``dx = f'(x)/Z * (g - sum(g * p))``.
+
+    First-order backward reads the ``p`` and ``f'(x)/Z`` saved in forward.
+    Asked for a graph (``create_graph=True``: double backward, Hessian-vector
+    products) it recomputes both from the saved input with differentiable
+    operations, so the second derivative is exact.
+    """
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, order: int) -> torch.Tensor:
         rows, shape = to_rows(x, dim)
         p, slope = taylor_rows(rows, order, masked_below(x.dtype))
-        ctx.dim = dim
-        ctx.save_for_backward(p.reshape(shape).movedim(-1, dim), slope.reshape(shape).movedim(-1, dim))
+        ctx.dim, ctx.order = dim, order
+        ctx.save_for_backward(x, p.reshape(shape).movedim(-1, dim), slope.reshape(shape).movedim(-1, dim))
         return from_rows(p, shape, dim, x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        p, slope = ctx.saved_tensors
+        x, p, slope = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph is wanted: p and slope as functions of x
+            rows, shape = to_rows(x, ctx.dim)
+            p, slope = taylor_rows(rows, ctx.order, masked_below(x.dtype))
+            p, slope = (t.reshape(shape).movedim(-1, ctx.dim) for t in (p, slope))
         g = grad.to(p.dtype)
         dx = slope * (g - (g * p).sum(ctx.dim, keepdim=True))
         return dx.to(grad.dtype), None, None

@@ -1,0 +1,93 @@
+"""Refuse trainer settings that would replace a patched loss by the trainer's own.
+
+A patched model computes its sparse loss in ``model.loss_function`` (or the
+fused forward, or the token outputs TRL asks for). Two trainer settings route
+around it without a word:
+
+- ``label_smoothing_factor > 0`` (transformers' ``Trainer`` and TRL's
+  ``SFTTrainer``, without ``compute_loss_func``): the trainer pops the labels,
+  runs the model without them and trains dense label-smoothed cross-entropy
+  on the logits;
+- TRL's ``loss_type="dft"``: each token's loss ``-log_probs_t`` is weighted by
+  ``exp(log_probs_t)``. Under a likelihood loss (``sparse_softmax``,
+  ``taylor_softmax``, ``perturb_max``) that weight is the trained
+  distribution's ``p_t``, as DFT means it; under a Fenchel-Young loss
+  ``exp(-loss_t)`` is no probability, so DFT is refused there.
+
+The check runs in a forward pre-hook of the patched model, only on the calls
+these trainers make (a training-mode forward with no ``labels``, or TRL's
+``fused_lm_head=True`` request): it looks up the call stack for the
+``Trainer.compute_loss`` that made the call and reads its settings. Nothing
+of transformers or TRL is imported or rebound.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+HOOK_ATTR = "_hf_sparsemax_trainer_guard"
+
+STACK_DEPTH = 40  # frames searched above the model's pre-hook (wrappers: DDP, peft, accelerate's autocast)
+
+
+def calling_trainer():
+    """The transformers ``Trainer`` whose ``compute_loss`` (or an override of it) made this call, or None."""
+    frame = sys._getframe(1)
+    for _ in range(STACK_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "compute_loss":
+            owner = frame.f_locals.get("self")
+            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in type(owner).__mro__):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def refusal(trainer, loss: str, loss_rule: str) -> str | None:
+    """Why ``trainer`` would not train the patched ``loss``, or None."""
+    if getattr(trainer, "label_smoother", None) is not None and getattr(trainer, "compute_loss_func", None) is None:
+        return (f"label_smoothing_factor={trainer.args.label_smoothing_factor} makes the trainer compute dense "
+                f"label-smoothed cross-entropy from the logits instead of the patched {loss!r} loss: set "
+                "label_smoothing_factor=0")
+    if getattr(trainer.args, "loss_type", None) == "dft" and loss_rule == "fenchel_young":
+        return (f"TRL's loss_type='dft' weights each token by exp(log_probs), and the patched {loss!r} loss is a "
+                "Fenchel-Young loss, whose exp(-loss) is no probability: use loss_type='nll', or a likelihood loss "
+                "(sparse_softmax, taylor_softmax, perturb_max) for DFT")
+    return None
+
+
+def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:
+    """Raise ``ValueError`` when a trainer is about to train something else than the patched loss."""
+    asked_for_tokens = bool(kwargs.get("fused_lm_head"))
+    trains_without_labels = module.training and torch.is_grad_enabled() and kwargs.get("labels") is None
+    if not (asked_for_tokens or trains_without_labels):
+        return
+    trainer = calling_trainer()
+    reason = None if trainer is None else refusal(trainer, loss, loss_rule)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def install_trainer_guard(model, loss: str, loss_rule: str) -> None:
+    """Check every call of ``model`` for a trainer that would bypass ``loss`` (undone by :func:`remove_trainer_guard`).
+
+    Registered before any other pre-hook of this library (it must see ``fused_lm_head`` before it is translated).
+    """
+    remove_trainer_guard(model)
+    guard = functools.partial(pre_hook, loss=loss, loss_rule=loss_rule)
+    setattr(model, HOOK_ATTR, model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True))
+
+
+def remove_trainer_guard(model) -> None:
+    handle = vars(model).pop(HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+
+
+def pre_hook(module, args, kwargs, loss: str, loss_rule: str):
+    check_trainer(module, kwargs, loss, loss_rule)
+    return None
