@@ -78,10 +78,14 @@ def run(*argv):
 def test_shipped_recipes_are_valid():
     for name in ("default", "classify"):
         recipe = load_recipe(os.path.join(RECIPE_DIR, name + ".yaml"))
-        assert len(recipe.all_variants()) == {"default": 3, "classify": 4}[name]  # classify: + am_softmax
-    default = load_recipe("default", ["training.max_steps=7", "variants.entmax15.loss_options={}"])
+        assert len(recipe.all_variants()) == {"default": 5, "classify": 4}[name]  # classify: + am_softmax
+    default = load_recipe("default", ["training.max_steps=7", "variants.entmax15_loss.loss_options={}"])
     assert default.training["max_steps"] == 7 and default.training["report_to"] == "none"
-    assert [v.describe() for v in default.all_variants()][2] == "attn=entmax15 loss=entmax15"
+    # each variant changes one thing against softmax_ce: the attention or the loss
+    assert [v.describe() for v in default.all_variants()] == [
+        "attn=softmax loss=cross_entropy", "attn=softmax loss=sparse_softmax(top_k=10)",
+        "attn=softmax loss=entmax15", "attn=entmax15 loss=cross_entropy",
+        "attn=entmax_bisect(alpha=1.05, learn_alpha=True) loss=cross_entropy"]
 
 
 def test_overrides_reach_their_field_and_unknown_fields_are_refused():
@@ -90,7 +94,8 @@ def test_overrides_reach_their_field_and_unknown_fields_are_refused():
     assert recipe.data.block_size == 16 and recipe.lora["r"] == 2 and recipe.eval.prompts == ["hi"]
     assert recipe.variant("top3").loss == "sparsemax" and recipe.variant("top3").attn == "softmax"
     for bad in ("training.max_stepz=3", "data.blocksize=3", "lora.rank=3", "modle=x", "variants.x.los=y",
-                "variants.entmax15.attn=entmax17", "variants.entmax15.loss_options.top_k=3", "data.block_size=0"):
+                "variants.entmax15_attn.attn=entmax17", "variants.entmax15_loss.loss_options.top_k=3",
+                "data.block_size=0"):
         with pytest.raises(RecipeError):
             load_recipe("default", [bad])
 
@@ -291,13 +296,29 @@ def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
     assert run("compare", "default", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
     assert "best epsilon-perplexity" in capsys.readouterr().out.strip().splitlines()[-1]
     results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
-    assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15"]
+    assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15_loss", "entmax15_attn",
+                             "learned_alpha_attn"]
     assert 0 < results["softmax_ce"]["cross_entropy"] < 10 and results["softmax_ce"]["zero_prob_share"] == 0
     assert results["sparse_softmax_top10"]["support_size"] == 10
-    assert results["entmax15"]["attention_zero_share"] > 0.2 and results["softmax_ce"]["attention_zero_share"] == 0
+    assert results["entmax15_attn"]["attention_zero_share"] > 0.2 and results["softmax_ce"]["attention_zero_share"] == 0
+    for name in ("entmax15_attn", "learned_alpha_attn"):  # sparse attention, dense (softmax) output distribution
+        assert results[name]["zero_prob_share"] == 0 and 0 < results[name]["cross_entropy"] < 10
     for r in results.values():
         assert r["sample_zero_prob_share"] == 0 and r["steps"] == 2 and 1 < r["epsilon_perplexity"] < 1e6
         assert all(len(text.split()) >= 2 for text in r["texts"]), r["texts"]
     for name in results:
         assert (out / name / "model" / "adapter_model.safetensors").is_file()
     assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt"} <= set(os.listdir(out))
+
+
+def test_learned_alpha_variant_records_its_trained_alphas(tiny_llama, tmp_path):
+    variants = "variants={alpha: {attn: entmax_bisect, attn_options: {alpha: 1.05, learn_alpha: true}}}"
+    recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "runs"
+    assert run("train", recipe, "--output", out, "--set", variants, "--set", "training.learning_rate=0.5") == 0
+    results = json.loads((out / "alpha" / "results.json").read_text())
+    low, mean, high = (results[f"learned_alpha_{k}"] for k in ("min", "mean", "max"))
+    assert 1 < low <= mean <= high < 2 and high - low > 1e-4  # one alpha per layer and head, trained apart
+    assert results["zero_prob_share"] == 0  # cross-entropy: the output distribution stays softmax
+    assert run("train", recipe, "--output", tmp_path / "plain", "--variant", "top3", "--set",
+               "training.max_steps=1") == 0
+    assert "learned_alpha_mean" not in json.loads((tmp_path / "plain" / "top3" / "results.json").read_text())

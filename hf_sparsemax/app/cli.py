@@ -1,15 +1,16 @@
 """The ``hf-sparsemax`` command: run fine-tuning recipes, and check decoding against training.
 
-    hf-sparsemax compare default                         # 3 variants side by side -> runs/default/report.md
-    hf-sparsemax train default --variant entmax15 --set training.max_steps=20
-    hf-sparsemax evaluate default --variant entmax15     # held-out metrics of runs/default/entmax15
-    hf-sparsemax generate default --variant entmax15 --set 'eval.prompts=["Murphy says"]'
+    hf-sparsemax compare default                         # 5 variants side by side -> runs/default/report.md
+    hf-sparsemax compare default --seeds 0,1,2           # each variant once per seed: mean ± std in the report
+    hf-sparsemax train default --variant entmax15_loss --set training.max_steps=20
+    hf-sparsemax evaluate default --variant entmax15_loss  # held-out metrics of runs/default/entmax15_loss
+    hf-sparsemax generate default --variant entmax15_loss --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
 
 A recipe is a YAML file (or the name of a recipe shipped with the package:
 default, classify). Override any field with --set PATH=VALUE (repeatable): PATH is the
 dotted field (training.max_steps, data.block_size, lora.r, eval.prompts,
-variants.entmax15.loss_options.alpha), VALUE is read as YAML (20, 5e-4, true,
+variants.entmax15_loss.loss_options.alpha), VALUE is read as YAML (20, 5e-4, true,
 null, [q_proj, v_proj]). `training` is passed to transformers.TrainingArguments,
 `lora` to peft.LoraConfig (null: full fine-tuning). Results go to
 --output (default runs/<recipe name>), written to a .partial folder first and
@@ -87,6 +88,14 @@ RECIPE_COMMANDS = {
 }
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` -> ``[0, 1, 2]`` (checked further as the recipe field ``seeds``)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,2, got {text!r}") from None
+
+
 def add_recipe_command(commands, name: str) -> None:
     sub = commands.add_parser(name, help=RECIPE_COMMANDS[name], description=RECIPE_COMMANDS[name])
     sub.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (default, classify)")
@@ -95,6 +104,10 @@ def add_recipe_command(commands, name: str) -> None:
     sub.add_argument("--output", help="results folder (default runs/<recipe name>)")
     if name != "compare":
         sub.add_argument("--variant", help="which of the recipe's variants (default: the first)")
+    if name == "compare":
+        sub.add_argument("--seeds", type=parse_seeds, metavar="S1,S2,...",
+                         help="train every variant once per seed (training.seed) and report mean ± std; "
+                              "the same as --set 'seeds=[0,1,2]' (default: one run, training.seed)")
     if name in ("train", "compare"):
         sub.add_argument("--resume", action="store_true",
                          help="continue an interrupted run from its last checkpoint")
@@ -104,10 +117,13 @@ def recipe_command(args) -> int:
     from . import commands
     from .recipes import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    seeds = getattr(args, "seeds", None)
+    recipe = load_recipe(args.recipe, args.overrides + ([f"seeds={seeds}"] if seeds is not None else []))
     if args.command == "compare":
         out = commands.compare_command(recipe, args.output, args.resume)
-        summary(f"compared {len(out['results'])} variants of {recipe.name!r} in {out['seconds'] / 60:.1f} min", out)
+        runs = f" x {len(recipe.seeds)} seeds" if recipe.seeds is not None else ""
+        summary(f"compared {len(out['results'])} variants{runs} of {recipe.name!r} in {out['seconds'] / 60:.1f} min",
+                out)
         return 0
     if args.command == "train":
         out = commands.train_command(recipe, args.variant, args.output, args.resume)

@@ -140,9 +140,27 @@ def check_output(folder: str) -> None:
                           "choose another --output")
 
 
+def check_fsdp_device(recipe: Recipe, variant: Variant) -> None:
+    """FSDP asked for (``accelerate launch --use_fsdp`` or ``training.fsdp``) where training runs on CPU is refused.
+
+    accelerate (1.15) turns FSDP on only for GPU-like devices; on CPU the processes silently train as plain
+    DDP (``DistributedType.MULTI_CPU``), or each alone when ``use_cpu`` is off, so the run would not be what
+    was asked for. (torch's own ``fully_shard`` does shard on CPU with gloo: see tests/test_fsdp.py.)
+    """
+    import torch
+
+    args = recipe.training_args(variant)
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(args.get("fsdp"))
+    if asked and (args.get("use_cpu") or not torch.accelerator.is_available()):
+        raise RecipeError("FSDP was asked for (accelerate launch --use_fsdp or training.fsdp), but training runs on "
+                          "CPU, where accelerate does not shard (the processes would train as plain DDP): launch "
+                          "with --multi_gpu for DDP on CPU, or on GPUs with --set training.use_cpu=false")
+
+
 def check(recipe: Recipe, variants: list[Variant], output: str) -> None:
     """Everything checkable before loading: each variant's training arguments, data, output folder, model location."""
     for variant in variants:
+        check_fsdp_device(recipe, variant)
         args = runner.training_arguments(recipe, variant, "unused")  # builds nothing on disk
         args.world_size  # sets up the process group under `accelerate launch`, so barrier() works from here on
     check_source(recipe.data)
@@ -168,9 +186,11 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     trainer = runner.make_trainer(recipe, variant, model, tokenizer, train_set, eval_set, work,
                                   num_labels=len(labels) if labels else None, custom_loss=custom_loss)
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
-                               "loss": describe(variant.loss, variant.loss_options)}
+                               "loss": describe(variant.loss, variant.loss_options),
+                               "seed": recipe.training_args(variant).get("seed")}
     results.update(runner.train(trainer, work, resume))
     results.update(runner.evaluate(trainer))
+    results.update(runner.learned_alphas(trainer.model))
     attention = None
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels)
@@ -271,32 +291,34 @@ def update_results(folder: str, new: dict[str, Any]) -> None:
 
 
 def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[str, Any]:
-    """Every variant on the same model and split; a report folder with table, plots, samples and weights."""
-    variants = recipe.all_variants()
+    """Every variant (and, with ``seeds``, every seed of it) on the same model and split; a report folder with
+    table, plots, samples and weights."""
     final = output or default_output(recipe)
-    check(recipe, variants, final)
+    check(recipe, [variant for _, variant in recipe.runs()], final)
     with locked(final, f"compare {recipe.name}"):
         work = final.rstrip("/") + ".partial"
         with discard_on_failure(work):
-            return compare_variants(recipe, variants, final, work, resume)
+            return compare_variants(recipe, recipe.runs(), final, work, resume)
 
 
-def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: str, resume: bool) -> dict[str, Any]:
-    from . import report
+def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str, work: str,
+                     resume: bool) -> dict[str, Any]:
+    """Train, evaluate and sample each ``(folder name, variant)`` run in ``work``; write the report; publish."""
+    from . import report, seeds
 
     start = time.perf_counter()
     tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
     note_replacement(final)
     start_work(work, resume)
     results, maps, histories = [], {}, {}
-    for variant in variants:
-        vdir = os.path.join(work, variant.name)
+    for folder, variant in runs:
+        vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
         if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):
             with open(done, encoding="utf-8") as handle:
                 result = json.load(handle)
             attention = None
-            if recipe.task == "causal_lm" and is_main_process():
+            if recipe.task == "causal_lm" and is_main_process() and variant.name not in maps:
                 model = runner.load_trained(recipe, vdir).model
                 attention = runner.attention_map(model, tokenizer, recipe)
                 del model
@@ -304,13 +326,17 @@ def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: 
             os.makedirs(vdir, exist_ok=True)
             result, attention = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, vdir,
                                             resume, heatmap=True)
+        result["run"] = folder
         results.append(result)
-        if attention is not None:
+        if attention is not None and variant.name not in maps:  # the heatmap shows each variant's first seed
             maps[variant.name] = attention
         if is_main_process():
             with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
-                histories[variant.name] = json.load(handle)
+                label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
+                histories.setdefault(variant.name, {})[label] = json.load(handle)
     seconds = time.perf_counter() - start
+    firsts = [runs[0] for runs in seeds.by_variant(results).values()]  # each variant's first seed (plots)
+    table = results if recipe.seeds is None else seeds.aggregate(results)
     if is_main_process():
         figures = ["loss_curves.png"]
         report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"))
@@ -320,10 +346,10 @@ def compare_variants(recipe: Recipe, variants: list[Variant], final: str, work: 
             figures.append("attention_heatmap.png")
             report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
         if recipe.task == "sequence_classification" and report.plot_confusion(
-                results, os.path.join(work, "confusion_matrix.png")):
+                firsts, os.path.join(work, "confusion_matrix.png")):
             figures.append("confusion_matrix.png")
-        report.write_report(work, recipe, results, seconds, figures)
-        runner.write_json(os.path.join(work, "results.json"), results)
+        report.write_report(work, recipe, table, seconds, figures)
+        runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)
-    return {"folder": final, "seconds": round(seconds, 1), "results": results}
+    return {"folder": final, "seconds": round(seconds, 1), "results": table}

@@ -10,7 +10,10 @@ never silently does nothing.
 
 ``variants`` names the settings ``compare`` trains side by side; each one
 overrides the recipe's ``attn``, ``attn_options``, ``loss``, ``loss_options``
-and, key by key, ``training``. ``training`` is passed through to
+and, key by key, ``training``. ``seeds`` (``null``: one run with
+``training.seed``) repeats every variant of ``compare`` once per seed, each
+run with ``training.seed`` set to it (LoRA's initialisation and the order of
+the training blocks); the data split and held-out blocks stay the same. ``training`` is passed through to
 ``transformers.TrainingArguments`` and ``lora`` to ``peft.LoraConfig``
 (``null`` = full fine-tuning).
 """
@@ -196,6 +199,7 @@ class Recipe:
     training: dict[str, Any] = dataclasses.field(default_factory=dict)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     variants: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    seeds: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -206,6 +210,7 @@ class Recipe:
         check_training("training", self.training)
         if self.lora is not None:
             check_keys("lora", self.lora, lora_fields())
+        self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
@@ -241,6 +246,14 @@ class Recipe:
                 raise RecipeError(f"variants.{name}: {error}") from None
             out.append(variant)
         return out
+
+    def runs(self) -> list[tuple[str, Variant]]:
+        """``(folder name, variant)`` for every run of ``compare``: one per variant, or with ``seeds`` one per
+        variant and seed (folder ``<variant>-seed<seed>``, the variant's ``training.seed`` set to the seed)."""
+        if self.seeds is None:
+            return [(v.name, v) for v in self.all_variants()]
+        return [(f"{v.name}-seed{seed}", dataclasses.replace(v, training={**v.training, "seed": seed}))
+                for v in self.all_variants() for seed in self.seeds]
 
     def variant(self, name: str | None) -> Variant:
         variants = self.all_variants()
@@ -292,6 +305,21 @@ def check_training(where: str, training: dict[str, Any]) -> None:
             valid, expected = TRAINING_RANGES.get(key, (lambda v: True, ""))
             if not math.isfinite(number) or not valid(number):
                 raise RecipeError(f"{where}.{key} must be {expected or 'finite'}, got {value!r}")
+
+
+def check_seeds(seeds: Any) -> list[int] | None:
+    """``seeds``: ``null`` or a non-empty list of distinct integers in [0, 2**32)."""
+    if seeds is None:
+        return None
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        seeds = [seeds]
+    if (not isinstance(seeds, (list, tuple)) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)):
+        raise RecipeError(f"seeds must be null or a non-empty list of integers in [0, 2**32), e.g. [0, 1, 2]; "
+                          f"got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise RecipeError(f"seeds must be distinct (each seed is one run per variant), got {list(seeds)!r}")
+    return list(seeds)
 
 
 def lora_fields() -> list[str]:

@@ -54,6 +54,15 @@ def cell(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+def row_cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    """``row[key]``; for a result of several seeds (:mod:`.seeds`) ``mean ± sample standard deviation``."""
+    text = cell(row.get(key), fmt)
+    std = row.get("spread", {}).get(key, {}).get("std")
+    if text and std is not None and len(row.get("seeds", [])) > 1:
+        text += " ± " + cell(std, fmt)
+    return text
+
+
 def results_table(results: list[dict[str, Any]], task: str) -> str:
     """A Markdown table: one row per variant, the task's metric columns."""
     cols = columns(task)
@@ -61,7 +70,7 @@ def results_table(results: list[dict[str, Any]], task: str) -> str:
              "|---|---|---|" + "---:|" * len(cols)]
     for r in results:
         lines.append(f"| {r['variant']} | {r['attn']} | {r['loss']} | "
-                     + " | ".join(cell(r.get(k), f) for k, _, f in cols) + " |")
+                     + " | ".join(row_cell(r, k, f) for k, _, f in cols) + " |")
     return "\n".join(lines)
 
 
@@ -77,8 +86,9 @@ def decoder_table(results: list[dict[str, Any]]) -> str:
              "|---|---|" + "---:|" * len(DECODER_COLUMNS)]
     for r in results:
         for row in r.get("decoders", []):
+            row = {"seeds": r.get("seeds", []), **row}
             lines.append(f"| {r['variant']} | {row['decoder']} | "
-                         + " | ".join(cell(row.get(k), f) for k, _, f in DECODER_COLUMNS) + " |")
+                         + " | ".join(row_cell(row, k, f) for k, _, f in DECODER_COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -120,21 +130,26 @@ def plot_confusion(results: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
-def plot_loss_curves(histories: dict[str, list[dict[str, Any]]], path: str) -> None:
-    """Training loss per step, one panel per variant (the losses have different scales)."""
+def plot_loss_curves(histories: dict[str, dict[str, list[dict[str, Any]]]], path: str) -> None:
+    """Training loss per step, one panel per variant (the losses have different scales), one line per run.
+
+    ``histories``: variant -> {line label (``"train"``, or ``"seed 1"`` ...) -> Trainer's log history}.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(histories), figsize=(4.2 * len(histories), 3.2), squeeze=False)
-    for ax, (name, history) in zip(axes[0], histories.items()):
-        steps = [e["step"] for e in history if "loss" in e]
-        ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".", label="train")
-        evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
-        if evals:
-            ax.plot(*zip(*evals), marker="o", label="held-out")
-            ax.legend()
+    for ax, (name, runs) in zip(axes[0], histories.items()):
+        for label, history in runs.items():
+            steps = [e["step"] for e in history if "loss" in e]
+            ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".", label=label)
+            evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+            if evals:
+                ax.plot(*zip(*evals), marker="o", label=f"{label} held-out")
+        if len(runs) > 1 or any("eval_loss" in e for h in runs.values() for e in h):
+            ax.legend(fontsize=7)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (the variant's own)")
@@ -176,7 +191,8 @@ def plot_attention(maps: dict[str, tuple[np.ndarray, list[str]]], path: str, lay
 def write_samples(results: list[dict[str, Any]], prompts: list[str], path: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for r in results:
-            handle.write(f"=== {r['variant']} ({r['attn']} attention, {r['loss']} loss; matched decoding) ===\n")
+            handle.write(f"=== {r.get('run', r['variant'])} ({r['attn']} attention, {r['loss']} loss; "
+                         f"matched decoding) ===\n")
             for prompt, text in zip(prompts, r.get("texts", [])):
                 handle.write(f"{prompt}{text}\n---\n")
             handle.write("\n")
@@ -190,8 +206,14 @@ def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: fl
              f"{'LoRA ' + str(recipe.lora) if recipe.lora is not None else 'full fine-tuning'}; "
              f"wall-clock {seconds:.0f} s (model loading included); held-out examples scored: "
              f"{results[0].get('eval_examples', '?') if results else 0}"
-             f"{' blocks' if recipe.task == 'causal_lm' else ''}.", "",
-             results_table(results, recipe.task), ""]
+             f"{' blocks' if recipe.task == 'causal_lm' else ''}.", ""]
+    if recipe.seeds is not None:
+        lines += [f"Each variant trained once per seed ({', '.join(map(str, recipe.seeds))}: `training.seed`, i.e. "
+                  "LoRA's initialisation and the order of the training blocks; the same data split and held-out "
+                  "blocks for every seed). Cells: mean ± sample standard deviation over the seeds (`inf` when a "
+                  "seed gave `inf`); min / max and every seed's own results in `results.json` "
+                  "(`spread`, `runs`).", ""]
+    lines += [results_table(results, recipe.task), ""]
     if recipe.task == "causal_lm":
         lines += ["Held-out metrics are computed under each model's own distribution (the mapping its loss "
                   "trains): cross-entropy is `inf` as soon as one held-out token gets probability 0; "

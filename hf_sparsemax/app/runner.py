@@ -354,6 +354,18 @@ def attention_map(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[st
     return weights, [t.replace("Ġ", " ").replace("▁", " ") for t in tokens]
 
 
+def learned_alphas(model) -> dict[str, float]:
+    """``learned_alpha_mean`` / ``_min`` / ``_max`` over the trained per-head alphas, ``1 + sigmoid(pre_alpha)``
+    (empty when the attention learns no alpha)."""
+    values = [p.detach().float().flatten() for name, p in model.named_parameters()
+              if name.endswith("pre_alpha") and p.requires_grad]
+    if not values:
+        return {}
+    alpha = 1 + torch.sigmoid(torch.cat(values))
+    return {"learned_alpha_mean": alpha.mean().item(), "learned_alpha_min": alpha.min().item(),
+            "learned_alpha_max": alpha.max().item()}
+
+
 def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None) -> None:
     write_json(os.path.join(folder, "variant.json"), {
         "recipe": recipe.name, "model": recipe.model, "task": recipe.task, "lora": recipe.lora is not None,
