@@ -24,13 +24,12 @@ from hf_sparsemax.mappings import _core, registry
 
 NAN, INF = float("nan"), float("inf")
 
-# every registered mapping with its kinds of options; sparse_softmax's top_k (ties, NaN with top-k) is the
-# sparse-softmax solver's own (tests/test_mappings.py), plain and top_p are checked here
+# every registered mapping with its kinds of options (sparse_softmax: plain, top_k, top_p and both)
 OPTIONS = {
     "sparsemax": [{}],
     "entmax15": [{}],
     "entmax_bisect": [{"alpha": 1.3}, {"alpha": 2.5}],
-    "sparse_softmax": [{}, {"top_p": 0.8}],
+    "sparse_softmax": [{}, {"top_k": 3}, {"top_p": 0.8}, {"top_k": 3, "top_p": 0.8}],
     "taylor_softmax": [{"order": 2}],
     "perturb_max": [{"points": 32}, {"noise": "gumbel", "points": 32}],
     "am_softmax": [{}],
@@ -147,8 +146,8 @@ def logits(dtype):
     return row.filter(lambda r: any(v > -math.inf for v in r))
 
 
-# sparse_softmax's top_k / top_p ties (keep every entry tied with the last kept one) are the solver's own tests
-EQUIVARIANT = [case for case in ALL if case[0] != "sparse_softmax" or not case[1]]
+# sparse_softmax's top_k / top_p keep every entry tied with the last kept one, so they are equivariant too
+EQUIVARIANT = ALL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
