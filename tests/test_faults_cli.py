@@ -90,6 +90,12 @@ def test_a_failed_checkpoint_write_keeps_the_complete_ones_and_resume_finishes(t
     assert folders_left(tmp_path) == ["out"] and os.listdir(out) == ["top3"]
 
 
+def default_sigint():
+    """Ctrl-C's default in the child: a shell that starts jobs in the background (CI) ignores SIGINT in them,
+    and a process started with SIGINT ignored keeps ignoring it (Python then installs no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["before a checkpoint", "after a checkpoint"])
 def test_sigint_stops_with_one_line_releases_the_lock_and_keeps_only_what_resume_can_use(tiny_recipe, tmp_path,
@@ -98,7 +104,7 @@ def test_sigint_stops_with_one_line_releases_the_lock_and_keeps_only_what_resume
     run = subprocess.Popen([sys.executable, "-m", "hf_sparsemax.app.cli", "train", tiny_recipe, "--variant", "top3",
                             "--output", str(out), "--set", "training.max_steps=100000", "--set",
                             "training.save_steps=5"], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                           text=True, preexec_fn=default_sigint)
     checkpoints = out / "top3.partial" / "checkpoints"
     deadline = time.time() + 180
     while time.time() < deadline and run.poll() is None:
