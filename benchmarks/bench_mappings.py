@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import hf_sparsemax as hs
-from common import interleaved_medians
+from common import interleaved_medians, mapping_call
 
 SHAPES = {"vocab": (2048, 49152), "attention": (2, 9, 512, 512)}
 
@@ -47,16 +47,7 @@ def run(shape, repeats: int, with_package: bool, backward: bool):
     fns = {name: fn for name, fn, _ in rows}
     fns.update({f"entmax pkg {name}": fn for name, fn in package.items()})
 
-    def call(fn):
-        def once():
-            inp = x.detach().requires_grad_() if backward else x
-            out = fn(inp)
-            if backward:
-                out.backward(torch.ones_like(out))
-
-        return once
-
-    return interleaved_medians({name: call(fn) for name, fn in fns.items()}, repeats), rows
+    return interleaved_medians({name: mapping_call(fn, x, backward) for name, fn in fns.items()}, repeats), rows
 
 
 def main() -> None:

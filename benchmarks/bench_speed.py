@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_sparsemax as hs
-from common import interleaved_medians
+from common import interleaved_medians, mapping_call
 
 SHAPES = {"attention512": (2, 9, 512, 512), "attention256": (2, 9, 256, 256), "attention2048": (1, 9, 2048, 2048),
           "vocab": (2048, 49152)}
@@ -44,16 +44,6 @@ def package():
             "learned per-head alpha": lambda x: entmax.entmax_bisect(x, torch.full(x.shape[:-1] + (1,), 1.5), -1)}
 
 
-def timed(fn, x, backward):
-    def once():
-        inp = x.detach().requires_grad_() if backward else x
-        out = fn(inp)
-        if backward:
-            out.backward(torch.ones_like(out))
-
-    return once
-
-
 def mapping_table(shapes, repeats, with_package, compiled):
     print("| shape | pass | mapping | ms | x softmax | entmax pkg x softmax | compiled x compiled softmax |")
     print("|---|---|---|---:|---:|---:|---:|")
@@ -63,10 +53,10 @@ def mapping_table(shapes, repeats, with_package, compiled):
         ours = mappings(shape)
         pkg = package() if with_package else {}
         for backward in (False, True):
-            fns = {name: timed(fn, x, backward) for name, fn in ours.items()}
-            fns.update({f"pkg {name}": timed(fn, x, backward) for name, fn in pkg.items()})
+            fns = {name: mapping_call(fn, x, backward) for name, fn in ours.items()}
+            fns.update({f"pkg {name}": mapping_call(fn, x, backward) for name, fn in pkg.items()})
             if compiled:
-                fns.update({f"compiled {name}": timed(torch.compile(fn, dynamic=False), x, backward)
+                fns.update({f"compiled {name}": mapping_call(torch.compile(fn, dynamic=False), x, backward)
                             for name, fn in ours.items()})
             ms = interleaved_medians(fns, repeats)
             for name in ours:
@@ -99,7 +89,7 @@ def top_p_table(tokens, vocab, repeats, real):
         t = torch.randint(0, x.shape[-1], (x.shape[0],), generator=torch.Generator().manual_seed(1))
         size = (hs.sparse_softmax(x, top_p=0.9) > 0).sum(-1).float().mean()
         for backward in (False, True):
-            fns = {name: timed(lambda inp, fn=fn: fn(inp, t), x, backward) for name, fn in losses.items()}
+            fns = {name: mapping_call(lambda inp, fn=fn: fn(inp, t), x, backward) for name, fn in losses.items()}
             ms = interleaved_medians(fns, repeats)
             for name in losses:
                 print(f"| {label} {list(x.shape)} | {'fwd+bwd' if backward else 'fwd'} | {name} | {ms[name]:.1f} | "

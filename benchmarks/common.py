@@ -7,6 +7,8 @@ import statistics
 import time
 from typing import Callable
 
+import torch
+
 SLOW_SECONDS = 5.0  # a contender slower than this gets only two timed rounds
 
 
@@ -26,6 +28,18 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dic
             if elapsed > SLOW_SECONDS:
                 slow.add(name)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def mapping_call(fn: Callable, x, backward: bool) -> Callable[[], None]:
+    """One timed call of ``fn(x)``; with ``backward``, also its backward from a fresh leaf (gradient of ones)."""
+
+    def once():
+        inp = x.detach().requires_grad_() if backward else x
+        out = fn(inp)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    return once
 
 
 def _status_kib(field: str) -> int:

@@ -1,5 +1,14 @@
 """hf_sparsemax: sparse attention, sparse training losses and matching decoding for transformers."""
 
+try:
+    import torch  # noqa: F401  (a declared dependency; checked first so its absence reads as what it is)
+except ModuleNotFoundError as error:  # pragma: no cover - exercised in a bare interpreter only
+    raise ModuleNotFoundError(
+        "hf_sparsemax needs PyTorch, which is not installed in this Python: install it first (CPU: "
+        "`pip install torch==2.13.0`, or the build for your accelerator from pytorch.org), then hf_sparsemax",
+        name="torch",
+    ) from error
+
 from .attention import LearnedAlpha, register_attention, supported_families
 from .losses import (
     Entmax15Loss,
