@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
+from hf_sparsemax.mappings import _sync_free
 
 # label -> (attention, its options, loss, its options): every sparse attention and every sparse loss appears
 SETUPS = {
@@ -132,3 +133,15 @@ def test_exact_fallback_runs_inside_the_compiled_graph():
     for fn, options in cases:
         compiled = torch.compile(lambda x: fn(x, **options), fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(flat), fn(flat, **options), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [1.05, 1.1, 1.2, 1.3, 1.5, 1.8])
+def test_newton_certifies_typical_rows(alpha):
+    """The compiled path's fixed Newton passes certify attention-like rows at every usual alpha, so no row
+    goes to the (sorting) exact fallback; float32 for alpha >= 1.125, float64 below (as the mapping upcasts)."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if alpha >= 1.125 else torch.float64
+    rows = (torch.randn(4096, 512) * 2).to(dtype)
+    for a in (alpha, torch.full((4096, 1), alpha, dtype=dtype)):
+        *_, done = _sync_free.newton_certified(rows, a, torch.finfo(torch.float32).min)
+        assert bool(done.all())

@@ -34,6 +34,14 @@ MAPPINGS = {
         lambda x, d: hs.entmax_bisect(x, 1.7, d),
         lambda x, d: entmax.entmax_bisect(x, 1.7, d, n_iter=200),
     ),
+    "bisect105": (  # alpha near 1: solved in float64, whole-row Newton on short rows
+        lambda x, d: hs.entmax_bisect(x, 1.05, d),
+        lambda x, d: entmax.entmax_bisect(x.double(), 1.05, d, n_iter=200).to(x.dtype),
+    ),
+    "bisect11": (
+        lambda x, d: hs.entmax_bisect(x, 1.1, d),
+        lambda x, d: entmax.entmax_bisect(x.double(), 1.1, d, n_iter=200).to(x.dtype),
+    ),
     "bisect25": (
         lambda x, d: hs.entmax_bisect(x, 2.5, d),
         lambda x, d: entmax.entmax_bisect(x.double(), 2.5, d, n_iter=200).to(x.dtype),
@@ -58,7 +66,7 @@ def warped_softmax(x, top_k=None, top_p=None):
 # ---------------------------------------------------------------- references
 
 
-@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17", "bisect25"])
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect105", "bisect11", "bisect13", "bisect17", "bisect25"])
 @pytest.mark.parametrize("shape", [(7, 5), (3, 4, 33), (2, 1000), (16, 4096)])
 @pytest.mark.parametrize("scale", [0.01, 1.0, 5.0])
 def test_matches_entmax_package_float32(name, shape, scale):
@@ -68,7 +76,7 @@ def test_matches_entmax_package_float32(name, shape, scale):
     assert (f(x, -1) - ref(x, -1)).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect13", "bisect17", "bisect25"])
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "bisect105", "bisect11", "bisect13", "bisect17", "bisect25"])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e2, 1e4])
 def test_matches_entmax_package_float64_any_dim(name, scale):
     f, ref = MAPPINGS[name]
@@ -76,6 +84,16 @@ def test_matches_entmax_package_float64_any_dim(name, scale):
     x = torch.randn(3, 50, 4, dtype=torch.float64) * scale
     for dim in (0, 1, -1):
         assert (f(x, dim) - ref(x, dim)).abs().max() <= 1e-10
+
+
+def test_per_row_alphas_near_one_match_entmax_package():
+    """Learned alphas start near 1 (the default recipe: 1.05): per-row alphas in [1.01, 1.3] on attention-like rows."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 40, 257) * 3
+    alpha = torch.linspace(1.01, 1.3, 6).view(6, 1, 1)
+    ref = torch.stack([entmax.entmax_bisect(x[i].double(), float(alpha[i]), -1, n_iter=200) for i in range(6)])
+    assert (hs.entmax_bisect(x, alpha) - ref.float()).abs().max() <= 1e-6
+    assert (hs.entmax_bisect(x.double(), alpha.double()) - ref).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("shape", [(4, 1000), (2, 3, 70), (2, 3000)])

@@ -24,13 +24,13 @@ from typing import Callable
 
 import torch
 
+from ._sync_free import DENSE_TOLERANCE_ULPS  # Newton stops once tau moves by at most this many ulp of 1
 from ._sync_free import find_threshold as sync_free_threshold
 from ._sync_free import solve_on_top as sync_free_on_top
 from ._sync_free import threshold_map as sync_free_map
 
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
 DENSE_MAX_ITER = 50
-DENSE_TOLERANCE = 1e-7  # on tau - max z, in [-1, 0]: float32 resolution of the passes
 CHUNK_ELEMENTS = 1 << 20  # rows are finished in blocks of ~4 MiB so the passes after the first hit cache
 
 Solver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -149,8 +149,9 @@ def dense_solve(rows: torch.Tensor, alpha: float | torch.Tensor, masked: float):
     of rows in cache costs a fraction of one. Newton on
     ``h(tau) = ||relu(z - tau)||_beta - 1`` from ``tau = max z - 1`` rises
     monotonically to the root (for alpha = 2 it is Michelot's algorithm) and
-    stops once no row's ``tau`` moves by more than float32 resolution. Needs
-    ``1 < alpha <= 2`` with ``beta = 1/(alpha-1)`` moderate. Works on
+    stops once no row's ``tau`` moves by more than a few ulp (the noise floor of
+    its sums; quadratic convergence takes 3-7 passes). Needs
+    ``1 < alpha <= 2`` with ``beta = 1/(alpha-1)`` moderate (:func:`dense_fits`). Works on
     ``d = x - max``: ``u' = relu(d - tau / (alpha - 1))``, ``u = (alpha - 1) u'``.
     ``alpha`` is a float or ``[rows, 1]`` (one per row).
     """
@@ -171,7 +172,7 @@ def dense_solve_block(rows: torch.Tensor, alpha: float | torch.Tensor, masked: f
     d = torch.sub(rows, shift)
     tau = torch.full_like(shift, -1.0, dtype=torch.float64)
     u, work = torch.empty_like(rows), torch.empty_like(rows)
-    tolerance = 4 * torch.finfo(rows.dtype).eps * am1
+    tolerance = DENSE_TOLERANCE_ULPS * torch.finfo(rows.dtype).eps  # rounding of the sums moves tau by ~1 ulp
     for _ in range(DENSE_MAX_ITER):
         torch.sub(d, (tau / am1).to(rows.dtype), out=u).clamp_min_(0)
         if isinstance(beta, float) and beta == 1:
@@ -198,11 +199,26 @@ def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tenso
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
         return sync_free_threshold(rows, masked, alpha, solve, k0, *row_args)
     if rows.shape[-1] <= SHORT_ROWS:
-        if not isinstance(alpha, torch.Tensor) and 1.125 <= alpha <= 2:
+        if not isinstance(alpha, torch.Tensor) and dense_fits(alpha, rows.dtype):
             return dense_solve(rows, alpha, masked)
-        if isinstance(alpha, torch.Tensor) and bool(((alpha >= 1.125) & (alpha <= 2)).all()):  # one host test
+        if isinstance(alpha, torch.Tensor) and dense_fits(alpha, rows.dtype):  # one host test
             return dense_solve(rows, row_args[0] if row_args else alpha.expand(rows.shape[0], 1), masked)
     return solve_on_top(rows, solve, k0, masked, *row_args)
+
+
+def dense_fits(alpha: float | torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`dense_solve` suits ``alpha`` (every alpha of a tensor) in ``dtype``.
+
+    Needs ``1 < alpha <= 2`` (``h`` convex) and ``u ** beta`` finite: ``u``
+    goes up to ``1 / (alpha - 1) = beta`` in ``x`` units, so ``beta * log2(beta)``
+    must stay below the dtype's largest exponent (with room for the sums):
+    about ``alpha >= 1.007`` in float64 and ``alpha >= 1.05`` in float32.
+    """
+    low, high = torch.stack([alpha.min(), alpha.max()]).tolist() if isinstance(alpha, torch.Tensor) else (alpha, alpha)
+    if not 1 < low <= high <= 2:  # also False for NaN
+        return False
+    beta = 1 / (low - 1)
+    return beta * math.log2(max(beta, 1.0)) <= math.log2(torch.finfo(dtype).max) - 32
 
 
 def threshold_map(

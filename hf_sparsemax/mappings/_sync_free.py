@@ -33,6 +33,7 @@ SHORT_ROWS = 2048  # same split as the eager path: whole-row Newton up to here, 
 NEWTON_STEPS = 7  # whole-row Newton passes before the certificate (entmax; quadratic convergence)
 MICHELOT_STEPS = 10  # the same for sparsemax, whose Newton (Michelot's algorithm) is linear on flat rows
 MAX_STEPS = 50  # bisection: a bracket of width 1 halves to 2**-50 < 1e-13
+DENSE_TOLERANCE_ULPS = 4  # the certificate of a Newton row: its last step at most this many ulp of 1 (as eagerly)
 SOLVERS: dict[str, Callable] = {}  # the eager exact row solvers by name, filled in by sparsemax.py and entmax.py
 
 
@@ -60,8 +61,9 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
       is the closed form ``(sum_S z - 1) / |S|`` on its own support ``S``;
     - alpha = 1.5: the closed form ``mean_S - sqrt(1/|S| - var_S)`` on the last
       support ``S`` exists and leaves exactly ``S`` above it;
-    - other alphas: the last Newton step moved ``tau`` by at most 4 ulp of
-      float32 (the eager solver's stopping rule).
+    - other alphas: the last Newton step moved ``tau`` (in ``[-1, 0]``) by at
+      most 4 ulp of 1 in the work dtype, the noise floor of the sums (the
+      eager solver's stopping rule).
     """
     float_alpha = not isinstance(alpha, torch.Tensor)
     sparsemax, entmax15 = float_alpha and alpha == 2, float_alpha and alpha == 1.5
@@ -111,7 +113,7 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
         tau, count = torch.where(done, closed, tau), torch.where(done, size, count)
     else:
         eps = torch.finfo(torch.float64 if rows.dtype == torch.float64 else torch.float32).eps
-        done = (step.abs() <= 4 * eps * am1) & torch.isfinite(step)
+        done = (step.abs() <= DENSE_TOLERANCE_ULPS * eps) & torch.isfinite(step)
     return shift, mark_special_rows(tau, top1, masked), count.long(), done | special
 
 
@@ -181,7 +183,7 @@ def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
 def find_threshold(rows, masked, alpha, solve: Callable, k0: int, *row_args):
     """Sync-free :func:`._core.find_threshold`: ``(shift, tau, size)``, exact, each ``[rows, 1]``."""
     n = rows.shape[-1]
-    if n <= SHORT_ROWS and (isinstance(alpha, torch.Tensor) or 1.125 <= alpha <= 2):
+    if n <= SHORT_ROWS and (isinstance(alpha, torch.Tensor) or 1 < alpha <= 2):
         shift, tau, size, done = newton_certified(rows, alpha, masked)
     else:
         shift, tau, size, done = on_top(rows, solve, k0, masked, *row_args)
