@@ -118,6 +118,21 @@ def test_sparse_softmax_matches_transformers_warpers(top_k, top_p):
     assert (hs.sparse_softmax(x, top_k=top_k, top_p=top_p) - warped_softmax(x, top_k, top_p)).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("scale,top_p", [(0.1, 0.5), (1.0, 0.9), (1.0, 0.99), (2.0, 0.99), (4.0, 0.99)])
+def test_large_nucleus_matches_float64_warper(scale, top_p):
+    """Nuclei beyond the top-256 candidates (bucketed masses, no sort) keep exactly what transformers'
+    TopPLogitsWarper keeps in float64, masked entries included (a float32 cumulative sum misses some rows)."""
+    torch.manual_seed(5)
+    x = torch.randn(64, 20000) * scale
+    x[0, :100] = float("-inf")
+    x[2, ::3] = torch.finfo(torch.float32).min
+    out = hs.sparse_softmax(x, top_p=top_p)
+    assert ((out > 0).sum(-1) > 256).sum() > 32  # most rows past the candidates
+    warped = TopPLogitsWarper(top_p)(None, x.double())
+    assert torch.equal(out > 0, (warped > float("-inf")) & (x > torch.finfo(torch.float32).min))
+    assert (out.double() - torch.softmax(warped, -1)).abs().max() <= 1e-6
+
+
 def test_sparse_softmax_nucleus_larger_than_first_candidates():
     torch.manual_seed(3)
     x = torch.randn(8, 5000) * 0.1  # flat: the 0.9 nucleus holds thousands of tokens

@@ -19,6 +19,7 @@ support backward with weights ``s = p``.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -26,7 +27,10 @@ import torch
 from ._core import SupportMapping, check_input
 from ._sync_free import special_rows
 
-NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone; whole sorted rows where the nucleus is larger
+NUCLEUS_CANDIDATES = 64  # top entries examined first for top_p alone
+NUCLEUS_RETRIES = (256, 1024)  # candidates of the next looks; rows whose nucleus is larger go to nucleus_by_histogram
+HISTOGRAM_BUCKETS = 4096  # value buckets of nucleus_by_histogram
+HISTOGRAM_BLOCK = 1 << 23  # entries bucketed at once (int64 bucket indices: 64 MiB)
 
 
 def check_top(top_k, top_p) -> tuple[int | None, float | None]:
@@ -77,8 +81,8 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
     """The value ``floor`` of each row (``[rows, 1]``) with ``Omega = {x >= floor}`` (``-inf`` keeps all).
 
     ``top_p`` alone looks at the top ``NUCLEUS_CANDIDATES`` entries; only rows
-    whose nucleus is larger look again, among four times as many, up to the
-    whole sorted row (eagerly with host syncs; compiled, inside an opaque op).
+    whose nucleus is larger look again (:func:`nucleus_whole_rows_eager`;
+    eagerly with host syncs, compiled inside an opaque op).
     """
     n = rows.shape[-1]
     if top_k is not None and top_k < n:
@@ -99,20 +103,62 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
 
 
 def nucleus_whole_rows_eager(rows, floor, fits, log_total, top_p: float, masked: float) -> torch.Tensor:
-    """``floor`` with the rows whose nucleus does not ``fit`` in the candidates found again among four
-    times as many candidates, and so on up to the whole sorted row."""
+    """``floor`` with the rows whose nucleus does not ``fit`` in the first candidates found again: among the top
+    ``NUCLEUS_RETRIES``, then, for rows whose nucleus is larger still, by :func:`nucleus_by_histogram` (no sort)."""
     floor = floor.clone()
-    n, c = rows.shape[-1], NUCLEUS_CANDIDATES
     todo = (~fits).squeeze(1).nonzero().squeeze(1)
-    while todo.numel():
-        c = min(4 * c, n)
+    for candidates in NUCLEUS_RETRIES:
+        if not todo.numel() or candidates >= rows.shape[-1]:
+            break
         sub = rows.index_select(0, todo)
-        top = sub.topk(c, dim=-1).values if c < n else sub.sort(dim=-1, descending=True).values
-        found, fit = nucleus_floor(top, log_total.index_select(0, todo), top_p, masked)
-        fit = fit.squeeze(1) | (c == n)
+        found, fit = nucleus_floor(sub.topk(candidates, dim=-1).values, log_total[todo], top_p, masked)
+        fit = fit.squeeze(1)
         floor[todo[fit]] = found[fit]
         todo = todo[~fit]
+        floor[todo] = found[~fit]  # the last candidate is kept: an upper bound of the floor
+    if todo.numel():
+        floor[todo] = nucleus_by_histogram(rows.index_select(0, todo), floor[todo], log_total[todo], top_p, masked)
     return floor
+
+
+def nucleus_by_histogram(rows, upper, log_total, top_p: float, masked: float) -> torch.Tensor:
+    """The nucleus floor of rows whose nucleus is large, exactly, without sorting them.
+
+    ``upper`` is a kept entry of each row, so the floor is at most ``upper``; every
+    entry below ``lower = log_total + log((1 - top_p) / n)`` is dropped (all of them
+    together hold less than ``1 - top_p``). The values are cut into
+    ``HISTOGRAM_BUCKETS`` equal buckets between the two (plus one bucket below, one
+    at or above ``upper``); the softmax mass of each bucket (one ``scatter_add``)
+    locates the bucket where the mass from the top reaches ``top_p``, and only
+    that bucket's entries are sorted, with the mass above it as their start
+    (:func:`nucleus_floor`'s rule; masses summed and normalised in float64). A row where no bucket reaches ``top_p``
+    (rounding) keeps everything.
+    """
+    n, bins = rows.shape[-1], HISTOGRAM_BUCKETS + 2
+    lower = log_total + math.log((1 - top_p) / n)
+    width = ((upper - lower) / HISTOGRAM_BUCKETS).clamp_min(torch.finfo(rows.dtype).tiny)
+    floors = []
+    for start in range(0, rows.shape[0], max(1, HISTOGRAM_BLOCK // n)):
+        block = slice(start, start + max(1, HISTOGRAM_BLOCK // n))
+        x, total = rows[block], log_total[block]
+        bucket = (x - lower[block]).div_(width[block]).floor_().clamp_(-1, HISTOGRAM_BUCKETS).add_(1)  # monotone in x
+        flat = bucket.long().add_(torch.arange(x.shape[0], device=x.device).unsqueeze(1) * bins)
+        mass = torch.zeros(x.shape[0] * bins, dtype=torch.float64, device=x.device)  # sums in float64
+        mass = mass.scatter_add_(0, flat.view(-1), (x - total).exp_().double().view(-1)).view(-1, bins)
+        scale = mass.sum(-1, keepdim=True)  # 1 up to the rounding of log_total: divided out
+        from_top = mass.flip(-1).cumsum(-1).flip(-1).div_(scale)  # mass of each bucket and every bucket above it
+        crossing = (from_top >= top_p).sum(-1, keepdim=True) - 1  # -1: no bucket reaches top_p
+        above = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], -1).gather(-1, crossing + 1)
+        inside = bucket == crossing
+        count = inside.sum(-1, keepdim=True)
+        values = torch.where(inside, x, float("-inf")).topk(max(1, int(count.max())), dim=-1).values
+        probs = (values - total).exp().double().div_(scale)
+        before = above + probs.cumsum(-1) - probs
+        kept = (before < top_p) & (values > masked)
+        kept &= torch.arange(values.shape[-1], device=x.device) < count
+        floor = values.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+        floors.append(torch.where((crossing < 0) | (floor == float("inf")), float("-inf"), floor))
+    return torch.cat(floors)
 
 
 @torch.library.custom_op("hf_sparsemax::nucleus_whole_rows", mutates_args=())
@@ -132,10 +178,13 @@ def floor_softmax(rows: torch.Tensor, floor: torch.Tensor, masked: float) -> tor
     """Softmax of each row over ``{x >= floor}`` minus masked entries; all masked: zeros; NaN / ``+inf``: NaN."""
     top1 = rows.amax(-1, keepdim=True)
     special = special_rows(top1, masked)
-    keep = (rows >= floor) & (rows > masked)
+    above_masked = torch.nextafter(rows.new_tensor(masked), rows.new_tensor(float("inf")))  # x > masked: x >= this
+    keep = rows >= floor.clamp_min(above_masked)
     e = torch.where(keep, rows - top1.masked_fill(special, 0.0), float("-inf")).exp_()
     total = e.sum(-1, keepdim=True)
     out = e.div_(total.masked_fill(total == 0, 1.0))
+    if not torch.compiler.is_compiling() and not bool(special.any()):  # eagerly: one host test saves a pass
+        return out
     return torch.where(special, torch.where(top1 <= masked, 0.0, float("nan")), out)
 
 
