@@ -9,6 +9,12 @@ default users start from.
     python benchmarks/bench_step.py                       # seq 512 1024 2048
     python benchmarks/bench_step.py --seqs 512 --repeats 3
     python benchmarks/bench_step.py --seqs 512 --compiled    # inductor: x compiled eager / compiled sdpa
+    python benchmarks/bench_step.py --seqs 4096 --repeats 2 --chunk-size 512 --memory   # + chunked, peak memory
+
+``--chunk-size N`` adds each sparse attention on its memory-bounded path
+(queries in blocks of ``N``, recomputed in backward); ``--memory`` adds the
+peak resident memory one step adds, each contender in a fresh process, as
+ratios to sdpa (which never materialises the attention weights) and eager.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from common import interleaved_medians
+from common import interleaved_medians, peak_memory_mb
 
 CONTENDERS = {  # name -> (attention, attn_options or None for a transformers implementation)
     "sdpa (softmax)": ("sdpa", None),
@@ -28,6 +34,7 @@ CONTENDERS = {  # name -> (attention, attn_options or None for a transformers im
     "entmax15": ("entmax15", {}),
     "entmax_bisect(1.3)": ("entmax_bisect", {"alpha": 1.3}),
     "entmax_bisect(learned alpha)": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}),
+    "entmax_bisect(learned alpha from 1.05)": ("entmax_bisect", {"alpha": 1.05, "learn_alpha": True}),
 }
 
 
@@ -46,6 +53,22 @@ def patched(layers: int, attn: str, options: dict | None) -> LlamaForCausalLM:
     return hs.patch_model(model, attn=attn, attn_options=options)
 
 
+def contenders(chunk_size: int | None) -> dict:
+    """``CONTENDERS``, plus each sparse attention with ``chunk_size`` when one is given."""
+    found = dict(CONTENDERS)
+    if chunk_size:
+        found.update({f"{name}, chunk_size={chunk_size}": (attn, {**options, "chunk_size": chunk_size})
+                      for name, (attn, options) in CONTENDERS.items() if options is not None})
+    return found
+
+
+def memory_setup(layers: int, attn: str, options: dict | None, seq: int) -> dict:
+    """For :func:`common.peak_memory_mb`: a fresh process holding the model and its inputs, and the step."""
+    model = patched(layers, attn, options)
+    ids = torch.randint(0, 49152, (1, seq), generator=torch.Generator().manual_seed(seq))
+    return {"step": step(model, ids)}
+
+
 def step(model, ids):
     def once():
         model.zero_grad(set_to_none=True)
@@ -60,8 +83,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compiled", action="store_true", help="add each step compiled with inductor")
+    parser.add_argument("--chunk-size", type=int, help="add each sparse attention with this chunk_size")
+    parser.add_argument("--memory", action="store_true", help="add peak memory per step (a fresh process each)")
     args = parser.parse_args()
-    models = {name: patched(args.layers, *spec) for name, spec in CONTENDERS.items()}
+    specs = contenders(args.chunk_size)
+    models = {name: patched(args.layers, *spec) for name, spec in specs.items()}
     if args.compiled:  # the same step compiled with inductor (one graph per model; compile time not counted)
         models.update({f"compiled {name}": torch.compile(models[name]) for name in CONTENDERS})
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, float32, {args.layers}-layer "
@@ -74,6 +100,15 @@ def main() -> None:
             base = "compiled " if name.startswith("compiled ") else ""
             print(f"| {seq} | {name} | {ms[name]:.0f} | {ms[name] / ms[base + 'eager (softmax)']:.2f} | "
                   f"{ms[name] / ms[base + 'sdpa (softmax)']:.2f} |", flush=True)
+    if args.memory:
+        del models
+        print("\n| seq | attention | peak MiB | x sdpa | x eager |\n|---:|---|---:|---:|---:|")
+        for seq in args.seqs:
+            mib = {name: peak_memory_mb(memory_setup, (args.layers, *spec, seq), "step")
+                   for name, spec in specs.items()}
+            for name in specs:
+                print(f"| {seq} | {name} | {mib[name]:.0f} | {mib[name] / mib['sdpa (softmax)']:.2f} | "
+                      f"{mib[name] / mib['eager (softmax)']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -124,15 +124,18 @@ def nucleus_whole_rows_eager(rows, floor, fits, log_total, top_p: float, masked:
 def nucleus_by_histogram(rows, upper, log_total, top_p: float, masked: float) -> torch.Tensor:
     """The nucleus floor of rows whose nucleus is large, exactly, without sorting them.
 
-    ``upper`` is a kept entry of each row, so the floor is at most ``upper``; every
-    entry below ``lower = log_total + log((1 - top_p) / n)`` is dropped (all of them
-    together hold less than ``1 - top_p``). The values are cut into
-    ``HISTOGRAM_BUCKETS`` equal buckets between the two (plus one bucket below, one
-    at or above ``upper``); the softmax mass of each bucket (one ``scatter_add``)
-    locates the bucket where the mass from the top reaches ``top_p``, and only
-    that bucket's entries are sorted, with the mass above it as their start
-    (:func:`nucleus_floor`'s rule; masses summed and normalised in float64). A row where no bucket reaches ``top_p``
-    (rounding) keeps everything.
+    ``upper`` is a kept entry of each row, so the floor is at most ``upper``;
+    every entry below ``lower = log_total + log((1 - top_p) / n)`` is dropped
+    (all of them together hold less than ``1 - top_p``). The values are cut
+    into ``HISTOGRAM_BUCKETS`` equal buckets between the two (plus one below,
+    one at or above ``upper``); the softmax mass of each bucket (one
+    ``scatter_add``) locates the bucket where the mass from the top reaches
+    ``top_p``. Every entry of the buckets above it is kept (together they hold
+    less than ``top_p``), and only that bucket's entries are sorted, starting
+    from the mass above it (:func:`nucleus_floor`'s rule). So the answer is
+    exact for any bucketing monotone in ``x``; ``lower`` and ``upper`` only make
+    the crossing bucket small. Masses are summed and normalised in float64; a
+    row where no bucket reaches ``top_p`` (rounding) keeps everything.
     """
     n, bins = rows.shape[-1], HISTOGRAM_BUCKETS + 2
     lower = log_total + math.log((1 - top_p) / n)
