@@ -85,11 +85,13 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="add each step compiled with inductor")
     parser.add_argument("--chunk-size", type=int, help="add each sparse attention with this chunk_size")
     parser.add_argument("--memory", action="store_true", help="add peak memory per step (a fresh process each)")
+    parser.add_argument("--skip", nargs="+", default=[], help="leave out the contenders whose names contain these")
     args = parser.parse_args()
-    specs = contenders(args.chunk_size)
+    specs = {name: spec for name, spec in contenders(args.chunk_size).items()
+             if not any(part in name for part in args.skip)}
     models = {name: patched(args.layers, *spec) for name, spec in specs.items()}
     if args.compiled:  # the same step compiled with inductor (one graph per model; compile time not counted)
-        models.update({f"compiled {name}": torch.compile(models[name]) for name in CONTENDERS})
+        models.update({f"compiled {name}": torch.compile(models[name]) for name in CONTENDERS if name in models})
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, float32, {args.layers}-layer "
           f"SmolLM2-shaped Llama, batch 1, median of {args.repeats} interleaved rounds\n")
     print("| seq | attention | step ms | x eager | x sdpa |\n|---:|---|---:|---:|---:|")

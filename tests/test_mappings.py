@@ -96,6 +96,21 @@ def test_per_row_alphas_near_one_match_entmax_package():
     assert (hs.entmax_bisect(x.double(), alpha.double()) - ref).abs().max() <= 1e-10
 
 
+def test_alpha_near_one_on_long_rows_takes_whole_row_newton(monkeypatch):
+    """Alphas below 1.125 have wide supports: rows of any length skip the top candidates (which would retry
+    up to a sort) and still match the package (attention rows of 5000 keys, a per-row alpha too)."""
+    def no_candidates(*args):
+        raise AssertionError("took the top-candidate path")
+
+    monkeypatch.setattr(_core, "solve_on_top", no_candidates)
+    torch.manual_seed(6)
+    x = torch.randn(8, 5000) * 2
+    for alpha in (1.05, 1.1, torch.tensor([1.02, 1.05, 1.1, 1.12] * 2).view(8, 1)):
+        ref = torch.stack([entmax.entmax_bisect(x[i].double(), float(a), -1, n_iter=200)
+                           for i, a in enumerate(torch.as_tensor(alpha).expand(8, 1).flatten())])
+        assert (hs.entmax_bisect(x, alpha) - ref.float()).abs().max() <= 1e-6
+
+
 @pytest.mark.parametrize("shape", [(4, 1000), (2, 3, 70), (2, 3000)])
 def test_support_larger_than_first_candidates(shape):
     """Rows whose support exceeds the first top-K candidates are solved again, exactly."""

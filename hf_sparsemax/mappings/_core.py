@@ -30,6 +30,7 @@ from ._sync_free import solve_on_top as sync_free_on_top
 from ._sync_free import threshold_map as sync_free_map
 
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
+NEAR_ONE = 1.125  # alphas below: whole-row Newton at any length (wide supports)
 DENSE_MAX_ITER = 50
 CHUNK_ELEMENTS = 1 << 20  # rows are finished in blocks of ~4 MiB so the passes after the first hit cache
 
@@ -198,12 +199,19 @@ def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tenso
     """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
         return sync_free_threshold(rows, masked, alpha, solve, k0, *row_args)
-    if rows.shape[-1] <= SHORT_ROWS:
+    if rows.shape[-1] <= SHORT_ROWS or near_one(alpha):
         if not isinstance(alpha, torch.Tensor) and dense_fits(alpha, rows.dtype):
             return dense_solve(rows, alpha, masked)
         if isinstance(alpha, torch.Tensor) and dense_fits(alpha, rows.dtype):  # one host test
             return dense_solve(rows, row_args[0] if row_args else alpha.expand(rows.shape[0], 1), masked)
     return solve_on_top(rows, solve, k0, masked, *row_args)
+
+
+def near_one(alpha: float | torch.Tensor) -> bool:
+    """Whether some alpha is below ``NEAR_ONE``: supports are then wide (the whole row as alpha -> 1), so top
+    candidates would retry up to a sort; whole-row Newton runs on rows of any length instead."""
+    low = float(alpha.min()) if isinstance(alpha, torch.Tensor) else alpha
+    return low < NEAR_ONE
 
 
 def dense_fits(alpha: float | torch.Tensor, dtype: torch.dtype) -> bool:

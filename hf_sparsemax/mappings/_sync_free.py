@@ -183,7 +183,8 @@ def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
 def find_threshold(rows, masked, alpha, solve: Callable, k0: int, *row_args):
     """Sync-free :func:`._core.find_threshold`: ``(shift, tau, size)``, exact, each ``[rows, 1]``."""
     n = rows.shape[-1]
-    if n <= SHORT_ROWS and (isinstance(alpha, torch.Tensor) or 1 < alpha <= 2):
+    near_one = not isinstance(alpha, torch.Tensor) and alpha < 1.125  # wide supports: whole rows at any length
+    if (n <= SHORT_ROWS or near_one) and (isinstance(alpha, torch.Tensor) or 1 < alpha <= 2):
         shift, tau, size, done = newton_certified(rows, alpha, masked)
     else:
         shift, tau, size, done = on_top(rows, solve, k0, masked, *row_args)
