@@ -31,6 +31,7 @@ from ._sync_free import threshold_map as sync_free_map
 
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
 NEAR_ONE = 1.125  # alphas below: whole-row Newton at any length (wide supports)
+LONG_ROWS = 16384  # up to here, rows the top candidates cannot solve go to whole-row Newton, not to more candidates
 DENSE_MAX_ITER = 50
 CHUNK_ELEMENTS = 1 << 20  # rows are finished in blocks of ~4 MiB so the passes after the first hit cache
 
@@ -109,7 +110,7 @@ def mark_special_rows(tau: torch.Tensor, top1: torch.Tensor, masked: float) -> t
     return tau.masked_fill(torch.isnan(top1) | (top1 == float("inf")), float("nan"))
 
 
-def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row_args: torch.Tensor):
+def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row_args: torch.Tensor, alpha=None):
     """Row maximum ``m``, threshold ``tau - m`` and support size of each row (``[rows, 1]``).
 
     ``solve(top, valid, *row_args)`` gets the top-``K`` entries of some rows,
@@ -118,7 +119,9 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     when its support size is below ``K`` (or ``K`` is the whole row). Working
     relative to the maximum keeps float32 rounding of ``tau`` below an ulp of 1.
     Fully masked rows get ``m = 0, tau = +inf`` (so ``relu(x - tau)`` is 0);
-    rows holding NaN or ``+inf`` get ``tau = NaN``.
+    rows holding NaN or ``+inf`` get ``tau = NaN``. Given ``alpha`` (the rows' alpha, which
+    :func:`dense_fits`), rows whose support exceeds the first retry's candidates are solved by whole-row
+    Newton (:func:`dense_solve`) instead of more candidates: wide supports (flat rows) cost a sort otherwise.
     """
     if torch.compiler.is_compiling():
         return sync_free_on_top(rows, solve, k0, masked, *row_args)
@@ -134,6 +137,10 @@ def solve_on_top(rows: torch.Tensor, solve: Solver, k0: int, masked: float, *row
     while k < n and bool(pending.any()):
         k = min(4 * k, n)
         idx = pending.squeeze(1).nonzero().squeeze(1)
+        if alpha is not None and k > 4 * k0:  # after one retry, wide supports: whole rows by Newton, no sort
+            a = alpha.index_select(0, idx) if isinstance(alpha, torch.Tensor) else alpha
+            _, tau[idx], size[idx] = dense_solve(rows.index_select(0, idx), a, masked)
+            break
         sub = rows.index_select(0, idx)
         top = (sub.topk(k, dim=-1).values if k < n else sub.sort(dim=-1, descending=True).values).double()
         t, s = solve(top, top > masked, *(a.index_select(0, idx) for a in row_args))
@@ -204,6 +211,10 @@ def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tenso
             return dense_solve(rows, alpha, masked)
         if isinstance(alpha, torch.Tensor) and dense_fits(alpha, rows.dtype):  # one host test
             return dense_solve(rows, row_args[0] if row_args else alpha.expand(rows.shape[0], 1), masked)
+    if rows.shape[-1] <= LONG_ROWS and dense_fits(alpha, rows.dtype):  # attention rows: wide supports by Newton
+        per_row = alpha.expand(rows.shape[0], 1) if isinstance(alpha, torch.Tensor) else alpha
+        per_row = row_args[0] if row_args else per_row
+        return solve_on_top(rows, solve, k0, masked, *row_args, alpha=per_row)
     return solve_on_top(rows, solve, k0, masked, *row_args)
 
 
