@@ -203,7 +203,11 @@ def dense_solve_block(rows: torch.Tensor, alpha: float | torch.Tensor, masked: f
 
 
 def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):
-    """Row maximum, ``tau - max`` and support size: whole-row Newton for short rows, else top candidates."""
+    """Row maximum, ``tau - max`` and support size.
+
+    Whole-row Newton for rows up to ``SHORT_ROWS`` and for alphas below ``NEAR_ONE`` (any length); top
+    candidates otherwise, with whole-row Newton for the rows (up to ``LONG_ROWS``) they do not settle.
+    """
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
         return sync_free_threshold(rows, masked, alpha, solve, k0, *row_args)
     if rows.shape[-1] <= SHORT_ROWS or near_one(alpha):
