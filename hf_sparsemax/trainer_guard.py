@@ -12,7 +12,13 @@ around it without a word:
   ``exp(log_probs_t)``. Under a likelihood loss (``sparse_softmax``,
   ``taylor_softmax``, ``perturb_max``) that weight is the trained
   distribution's ``p_t``, as DFT means it; under a Fenchel-Young loss
-  ``exp(-loss_t)`` is no probability, so DFT is refused there.
+  ``exp(-loss_t)`` is no probability, so DFT is refused there;
+- TRL's preference and RL trainers (DPO, KTO, GRPO, RLOO: every TRL trainer but
+  ``SFTTrainer``) read the ``log_probs`` a patched model answers with as the
+  policy's ``log pi(y_t)``. Under a likelihood loss ``-loss_t`` is that (the
+  trained distribution's ``log p_t``); under a Fenchel-Young loss it is no
+  log-probability, and under AM-softmax the target's margin makes it no
+  distribution's, so those trainers are refused there.
 
 The check runs in a forward pre-hook of the patched model, only on the calls
 these trainers make (a training-mode forward with no ``labels``, or TRL's
@@ -57,7 +63,19 @@ def refusal(trainer, loss: str, loss_rule: str) -> str | None:
         return (f"TRL's loss_type='dft' weights each token by exp(log_probs), and the patched {loss!r} loss is a "
                 "Fenchel-Young loss, whose exp(-loss) is no probability: use loss_type='nll', or a likelihood loss "
                 "(sparse_softmax, taylor_softmax, perturb_max) for DFT")
+    if loss_rule in ("fenchel_young", "margin") and reads_policy_log_probs(trainer):
+        return (f"{type(trainer).__name__} reads log_probs as the policy's log-probabilities, and under the patched "
+                f"{loss!r} loss the model answers with -loss_t, which is no log-probability ({loss_rule} loss): use "
+                "a likelihood loss (sparse_softmax, taylor_softmax, perturb_max), whose -loss_t is log p_t, or "
+                "SFTTrainer")
     return None
+
+
+def reads_policy_log_probs(trainer) -> bool:
+    """Whether ``trainer`` is one of TRL's trainers other than ``SFTTrainer`` (by class module, no import)."""
+    classes = type(trainer).__mro__
+    from_trl = any(c.__module__.split(".")[0] == "trl" for c in classes)
+    return from_trl and not any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl") for c in classes)
 
 
 def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:

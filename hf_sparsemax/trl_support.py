@@ -37,7 +37,9 @@ support routines (no full mapping over the vocabulary).
 Nothing in TRL or transformers is rebound: the hook and the forward belong to
 this model instance and are removed by ``unpatch_model``. trl need not be
 installed. Other TRL trainers that send the same request (DPO, KTO, GRPO,
-RLOO) receive the same fields; only ``SFTTrainer`` is checked here.
+RLOO) receive the same fields and read ``log_probs`` as the policy's
+``log pi(y_t)``: right under a likelihood loss, so they run there; under a
+Fenchel-Young or AM-softmax loss they are refused (:mod:`~hf_sparsemax.trainer_guard`).
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ class TokenLossOutput(ModelOutput):
 
     ``loss``: ``sum_t loss_t / num_items_in_batch`` (the counted tokens without it);
     ``log_probs``: ``-loss_t``; ``entropy``: Shannon entropy of the trained
-    distribution; ``is_top1``: whether the label is the most probable token;
-    ``label_mask``: whether the label is counted; ``aux_loss``: the MoE
-    load-balancing loss when router logits were requested. Shapes are
-    ``[batch, seq_len - 1]`` (``[batch, seq_len]`` with ``shift_labels``).
-    ``log_sum_sq_probs`` and ``mean_logits`` are not computed (None).
+    distribution ``p``; ``log_sum_sq_probs``: ``log sum_i p_i^2`` (DPO's WPO
+    weight); ``mean_logits``: the mean of the model's logits over the vocabulary
+    (TRL's ``logits/*`` metrics); ``is_top1``: whether the label is the most
+    probable token; ``label_mask``: whether the label is counted; ``aux_loss``:
+    the MoE load-balancing loss when router logits were requested. Shapes are
+    ``[batch, seq_len - 1]`` (``[batch, seq_len]`` with ``shift_labels``); all but
+    ``loss`` and ``log_probs`` carry no gradient.
     """
 
     loss: torch.Tensor | None = None
@@ -182,7 +186,9 @@ def token_outputs(model, forward, args, kwargs) -> TokenLossOutput:
     if aux_loss is not None:
         loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux_loss
     return TokenLossOutput(loss=loss, log_probs=log_probs, entropy=scatter(stats.entropy, mask),
-                           is_top1=scatter(stats.is_top1, mask), label_mask=mask, aux_loss=aux_loss)
+                           log_sum_sq_probs=scatter(stats.log_sum_sq_probs, mask),
+                           mean_logits=scatter(stats.mean_logits, mask), is_top1=scatter(stats.is_top1, mask),
+                           label_mask=mask, aux_loss=aux_loss)
 
 
 def backbone_hidden(model, args, kwargs) -> torch.Tensor:
@@ -193,11 +199,14 @@ def backbone_hidden(model, args, kwargs) -> torch.Tensor:
 
 
 class TokenStats(NamedTuple):
-    """Per counted token: the loss (fused pass only), the entropy of the trained distribution, whether the label
-    is its most probable token; ``total``: the summed loss with its gradient (fused pass only)."""
+    """Per counted token: the entropy of the trained distribution, whether the label is its most probable token,
+    ``log sum_i p_i^2``, the mean logit, the loss (fused pass only); ``total``: the summed loss with its gradient
+    (fused pass only)."""
 
     entropy: torch.Tensor
     is_top1: torch.Tensor
+    log_sum_sq_probs: torch.Tensor
+    mean_logits: torch.Tensor
     losses: torch.Tensor | None = None
     total: torch.Tensor | None = None
 
@@ -218,8 +227,8 @@ def fused_token_stats(hidden, head, target, loss, options, values: HeadValues) -
 
     def recording_support(rows, t, masked):
         index, p, items = support(rows, t, masked)
-        stats = token_stats(index, p, t)
-        records.append((items.float(), stats.entropy, stats.is_top1))
+        with torch.no_grad():
+            records.append((items.float(), *token_stats(index, p, t, rows)[:4]))
         return index, p, items
 
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
@@ -227,9 +236,9 @@ def fused_token_stats(hidden, head, target, loss, options, values: HeadValues) -
                                          recording_support, values.softcap, CHUNK_TOKENS, values.scale)
     if not records:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return TokenStats(empty, empty.bool(), empty, total)
-    items, entropy, top1 = (torch.cat(column) for column in zip(*records))
-    return TokenStats(entropy, top1, items, total)
+        return TokenStats(empty, empty.bool(), empty, empty, empty, total)
+    items, *stats = (torch.cat(column) for column in zip(*records))
+    return TokenStats(*stats, items, total)
 
 
 @torch.no_grad()
@@ -246,19 +255,22 @@ def dense_token_stats(logits, target, loss, options) -> TokenStats:
     else:
         mapping = loss_mapping(loss, **options)
         distribution = lambda rows, t: (None, mapping(rows))  # noqa: E731
-    stats = [token_stats(*distribution(rows.to(dtype), t), t)
+    stats = [token_stats(*distribution(rows.to(dtype), t), t, rows)
              for rows, t in zip(logits.split(CHUNK_TOKENS), target.split(CHUNK_TOKENS))]
     if not stats:
-        return TokenStats(logits.new_zeros(0, dtype=torch.float32), target.new_zeros(0, dtype=torch.bool))
-    return TokenStats(torch.cat([row.entropy for row in stats]), torch.cat([row.is_top1 for row in stats]))
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return TokenStats(empty, target.new_zeros(0, dtype=torch.bool), empty, empty)
+    return TokenStats(*(torch.cat(column) for column in list(zip(*stats))[:4]))
 
 
-def token_stats(index, p: torch.Tensor, t: torch.Tensor) -> TokenStats:
-    """``-sum_i p_i log p_i`` and ``[argmax_i p_i = t]`` per row; ``p`` dense (``index`` None) or over ``index``."""
+def token_stats(index, p: torch.Tensor, t: torch.Tensor, rows: torch.Tensor) -> TokenStats:
+    """Per row of logits ``rows``: ``-sum_i p_i log p_i``, ``[argmax_i p_i = t]``, ``log sum_i p_i^2`` and the mean
+    of ``rows``; ``p`` dense (``index`` None) or over ``index``."""
     top = p.argmax(-1, keepdim=True)
     if index is not None:
         top = index.gather(-1, top)
-    return TokenStats(-torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t)
+    return TokenStats(-torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t,
+                      p.square().sum(-1).log().float(), rows.float().mean(-1))
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,27 @@ def test_trl_generation_samples_the_trained_distribution(tmp_path):
     assert _generate_completions(PROMPTS, sft.model, tok, sft.accelerator, config, batch_size=1) != greedy
 
 
+@pytest.mark.parametrize("name,options,fused", [(n, o, f) for n, o in LOSSES for f in (False, True)]
+                         + [("taylor_softmax", {}, False)])
+def test_token_outputs_carry_the_fields_preference_trainers_read(name, options, fused):
+    """mean_logits (DPO's logits/* metrics) and log_sum_sq_probs (its WPO weight), under the trained distribution."""
+    from hf_sparsemax.loss_names import loss_mapping
+
+    model = hs.patch_model(tiny_lm(), loss=name, loss_options={**options, "fused": fused})
+    ids = torch.randint(3, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(9) < 3, -100)
+    out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    mask = labels[:, 1:] != -100
+    p = loss_mapping(name, **options)(logits.double())
+    expected_mean = logits.mean(-1).masked_fill(~mask, 0)
+    expected_sq = p.square().sum(-1).log().float().masked_fill(~mask, 0)
+    assert torch.allclose(out.mean_logits, expected_mean, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out.log_sum_sq_probs, expected_sq, rtol=1e-5, atol=1e-5)
+    assert not out.mean_logits.requires_grad and not out.log_sum_sq_probs.requires_grad
+
+
 def test_a_deep_copy_answers_with_its_own_weights():
     """TRL copies models (reference models): the copy's request runs the copy, and unpatching it leaves the original."""
     model = hs.patch_model(tiny_lm(), loss="sparsemax")
@@ -262,3 +283,64 @@ def test_dft_weights_a_likelihood_loss_by_its_own_probability(tmp_path):
     per_token = hs.sparse_softmax_loss(logits.flatten(0, 1), target.flatten(), top_k=5, reduction="none")
     expected = (per_token * torch.exp(-per_token)).sum() / (target != -100).sum()
     assert torch.allclose(sft.compute_loss(model, dict(batch)), expected, rtol=1e-5, atol=1e-6)
+
+
+def preference_trainer(model, reference, tmp_path):
+    from trl import DPOConfig, DPOTrainer
+
+    data = Dataset.from_dict({"prompt": PROMPTS[:4], "chosen": COMPLETIONS[:4], "rejected": COMPLETIONS[2:6]})
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, gradient_checkpointing=False,
+                     bf16=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data,
+                          processing_class=tokenizer())
+
+
+@pytest.mark.parametrize("name,options", [("sparsemax", {}), ("entmax_bisect", {"alpha": 1.3})])
+def test_preference_trainers_are_refused_under_a_fenchel_young_loss(name, options, tmp_path):
+    """DPO reads log_probs as log pi(y_t); a Fenchel-Young model answers -loss_t, which is no log-probability."""
+    model, reference = (hs.patch_model(tiny_lm(), loss=name, loss_options=options) for _ in range(2))
+    dpo = preference_trainer(model, reference, tmp_path)
+    batch = dpo.data_collator([dpo.train_dataset[i] for i in range(2)])
+    model.train()
+    with pytest.raises(ValueError, match="DPOTrainer reads log_probs .* no log-probability"):
+        dpo.compute_loss(model, batch)
+
+
+def test_dpo_under_sparse_softmax_reads_the_trained_log_probabilities(tmp_path):
+    """Under a likelihood loss DPO's policy log-probabilities are those of the trained sparse distribution."""
+    model, reference = (hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 5}) for _ in range(2))
+    dpo = preference_trainer(model, reference, tmp_path)
+    batch = dpo.data_collator([dpo.train_dataset[i] for i in range(2)])
+    model.train()
+    loss = dpo.compute_loss(model, dict(batch))
+    assert torch.isfinite(loss)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)[:, 1:]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    per_token = hs.sparse_softmax_loss(logits.flatten(0, 1), labels.flatten(), top_k=5, reduction="none")
+    sequence_log_p = -per_token.view(labels.shape).sum(1)
+    chosen = sequence_log_p.chunk(2)[0]
+    assert dpo._metrics["train"]["logps/chosen"][-1] == pytest.approx(chosen.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("trainer_name", ["DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer", "SFTTrainer"])
+@pytest.mark.parametrize("loss,rule", [("sparsemax", "fenchel_young"), ("am_softmax", "margin"),
+                                       ("sparse_softmax", "kept_logsumexp"), ("taylor_softmax", "nll")])
+def test_which_trl_trainers_are_refused(trainer_name, loss, rule):
+    """Every TRL trainer but SFTTrainer reads log_probs as log pi(y_t): refused where -loss_t is no log-probability."""
+    import types
+
+    import trl
+
+    from hf_sparsemax.trainer_guard import refusal
+
+    trainer = object.__new__(getattr(trl, trainer_name))
+    trainer.args = types.SimpleNamespace(loss_type="sigmoid")
+    reason = refusal(trainer, loss, rule)
+    if trainer_name != "SFTTrainer" and rule in ("fenchel_young", "margin"):
+        assert reason is not None and trainer_name in reason and "no log-probability" in reason
+    else:
+        assert reason is None
