@@ -124,6 +124,22 @@ def test_dynamic_true_with_a_float_loss_option():
     torch.testing.assert_close(got, fn(logits, target, top_p=0.9), rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_dynamic_true_whole_model_equals_eager(setup):
+    """``dynamic=True`` on a whole model whose attention and loss share a mapping: dynamo reads a float default or
+    global as a symbolic input and could not lift it into the second autograd Function (sparsemax, bisect failed)."""
+    model = tiny_llama(setup)
+    ids, labels = batch(7, dynamic=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(forward_loss, fullgraph=True, backend="aot_eager", dynamic=True)
+    expected, expected_grads = loss_and_grads(forward_loss, model, ids, labels)
+    got, grads = loss_and_grads(compiled, model, ids, labels)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
 def test_exact_fallback_runs_inside_the_compiled_graph():
     """Rows the fixed passes cannot certify (a flat plateau, a large nucleus) still get the exact answer."""
     torch._dynamo.reset()

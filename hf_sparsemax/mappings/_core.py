@@ -248,15 +248,17 @@ def threshold_map(
     rows: torch.Tensor,
     shift: torch.Tensor,
     tau: torch.Tensor,
-    scale: float | torch.Tensor = 1.0,
-    power: float | torch.Tensor = 1.0,
+    scale: float | torch.Tensor | None = None,
+    power: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``relu(scale * (x - shift) - tau) ** power`` for each row, block by block.
 
-    The one output step of sparsemax (scale 1, power 1), 1.5-entmax (1/2, 2)
+    The one output step of sparsemax (scale 1, power 1: the defaults, None), 1.5-entmax (1/2, 2)
     and alpha-entmax (alpha - 1, 1/(alpha - 1)). ``shift``, ``tau`` and tensor
-    ``scale`` / ``power`` are ``[rows, 1]``.
+    ``scale`` / ``power`` are ``[rows, 1]``. (A float default would be read by ``torch.compile(dynamic=True)`` as a
+    symbolic input shared by every caller, which dynamo cannot lift into two autograd Functions of one graph.)
     """
+    scale, power = 1.0 if scale is None else scale, 1.0 if power is None else power
     if torch.compiler.is_compiling():
         return sync_free_map(rows, shift, tau, scale, power)
     out = torch.empty_like(rows)
@@ -282,8 +284,8 @@ def threshold_support(
     shift: torch.Tensor,
     tau: torch.Tensor,
     size: torch.Tensor,
-    scale: float | torch.Tensor = 1.0,
-    power: float | torch.Tensor = 1.0,
+    scale: float | torch.Tensor | None = None,
+    power: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The support of ``relu(scale * (x - shift) - tau) ** power`` as ``(index, p)``, both ``[rows, K]``.
 

@@ -16,7 +16,7 @@ input's shape and the data only chooses values:
    always exact and the common case never sorts.
 
 A tensor ``alpha`` (learned per head) is solved in float64 here: the eager
-path picks float32 when every alpha lies in ``FLOAT32_ALPHAS`` (a host test).
+path picks float32 when every alpha lies in [1.125, 2] (``precise_in_float32``, a host test).
 
 Bisection (:func:`bisect_solve`) runs a fixed number of steps: its float64
 bracket has width 1 and halves at least once a step, so ``MAX_STEPS = 50``

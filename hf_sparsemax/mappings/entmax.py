@@ -48,7 +48,6 @@ from ._core import (
 CANDIDATES = 64  # top entries examined first; rows whose support is larger retry with more
 MAX_ITER = 100  # Newton/bisection steps when iterating to convergence (float64 bracket of width 1)
 TOLERANCE = 1e-13  # on tau - max z, which lies in [-1, 0]: far below float32 resolution
-FLOAT32_ALPHAS = (1.125, 2.0)  # outside, the power 1/(alpha-1) amplifies float32 rounding: use float64
 
 
 def entmax15_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +113,13 @@ def bisect_solve(
 
 
 def precise_in_float32(alpha: float | torch.Tensor) -> bool:
-    """Whether float32 keeps ``relu(u) ** (1/(alpha-1))`` within about 1e-7 for these alphas."""
-    low, high = FLOAT32_ALPHAS
+    """Whether float32 keeps ``relu(u) ** (1/(alpha-1))`` within about 1e-7 for these alphas: all in [1.125, 2].
+
+    Outside, the power amplifies float32 rounding: float64 then. (Literals, not a module-level float:
+    ``torch.compile(dynamic=True)`` reads a global float as a symbolic input, which dynamo cannot lift
+    into two autograd Functions of one graph, e.g. attention and loss.)
+    """
+    low, high = 1.125, 2.0
     if isinstance(alpha, torch.Tensor):
         return bool(((alpha >= low) & (alpha <= high)).all())
     return low <= alpha <= high
