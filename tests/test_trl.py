@@ -344,3 +344,23 @@ def test_which_trl_trainers_are_refused(trainer_name, loss, rule):
         assert reason is not None and trainer_name in reason and "no log-probability" in reason
     else:
         assert reason is None
+
+
+def test_grpo_under_sparse_softmax_scores_the_trained_distribution(tmp_path):
+    """GRPO samples with the patched generate and scores with the patched request: its entropy is that of top-5."""
+    import math
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 5})
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grpo = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                           args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
+                           processing_class=tokenizer())
+        grpo.train()
+    entropy = next(log["entropy"] for log in grpo.state.log_history if "entropy" in log)
+    assert 0 < entropy <= math.log(5) + 1e-4  # dense softmax over 30 tokens would be near log(30) = 3.4
