@@ -241,6 +241,26 @@ def test_learned_alpha_stays_in_its_range_and_trains():
     assert (values > 1).all() and (values < 2).all() and not torch.allclose(values, torch.full_like(values, 1.5))
 
 
+
+def test_learned_alphas_take_their_own_learning_rate_in_trainer(tmp_path):
+    """The README's parameter group: the alphas found by name, trained by Trainer at their own rate."""
+    from transformers import Trainer, TrainingArguments
+
+    model = hs.patch_model(tiny_model("llama"), attn="entmax_bisect", attn_options={"alpha": 1.05, "learn_alpha": True})
+    alphas = [p for n, p in model.named_parameters() if n.endswith("hf_sparsemax_alpha.pre_alpha")]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith("hf_sparsemax_alpha.pre_alpha")]
+    assert len(alphas) == 2 and len(alphas) + len(rest) == len([p for p in model.parameters() if p.requires_grad])
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": alphas, "lr": 1e-2, "weight_decay": 0.0}], lr=5e-5)
+    start = [a.detach().clone() for a in alphas]
+    inputs = batch("llama")
+    data = [{"input_ids": ids, "labels": ids} for ids in inputs["input_ids"]]
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=2,
+                             max_steps=3, save_strategy="no", disable_tqdm=True, lr_scheduler_type="constant")
+    Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, None)).train()
+    moved = torch.cat([(a.detach() - s).abs() for a, s in zip(alphas, start)])
+    assert (moved > 5e-3).all() and (moved < 4e-2).all()  # Adam: about lr = 1e-2 a step, 3 steps
+
+
 def test_unpatch_restores_the_original_attention():
     model = tiny_model("llama", attn_implementation="sdpa")
     inputs = batch("llama")
