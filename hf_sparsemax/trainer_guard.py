@@ -18,7 +18,11 @@ around it without a word:
   policy's ``log pi(y_t)``. Under a likelihood loss ``-loss_t`` is that (the
   trained distribution's ``log p_t``); under a Fenchel-Young loss it is no
   log-probability, and under AM-softmax the target's margin makes it no
-  distribution's, so those trainers are refused there.
+  distribution's, so those trainers are refused there. Where one of them
+  runs the model in training without labels and without that request (ORPO,
+  CPO, GKD, ... in ``trl.experimental``), it computes its own objective from
+  the logits under softmax (ORPO's NLL term is dense cross-entropy): refused
+  under every patched loss.
 
 The check runs in a forward pre-hook of the patched model, only on the calls
 these trainers make (a training-mode forward with no ``labels``, or TRL's
@@ -53,8 +57,9 @@ def calling_trainer():
     return None
 
 
-def refusal(trainer, loss: str, loss_rule: str) -> str | None:
-    """Why ``trainer`` would not train the patched ``loss``, or None."""
+def refusal(trainer, loss: str, loss_rule: str, asked_for_tokens: bool = True) -> str | None:
+    """Why ``trainer`` would not train the patched ``loss``, or None (``asked_for_tokens``: TRL's request, else a
+    training call without labels)."""
     if getattr(trainer, "label_smoother", None) is not None and getattr(trainer, "compute_loss_func", None) is None:
         return (f"label_smoothing_factor={trainer.args.label_smoothing_factor} makes the trainer compute dense "
                 f"label-smoothed cross-entropy from the logits instead of the patched {loss!r} loss: set "
@@ -63,6 +68,10 @@ def refusal(trainer, loss: str, loss_rule: str) -> str | None:
         return (f"TRL's loss_type='dft' weights each token by exp(log_probs), and the patched {loss!r} loss is a "
                 "Fenchel-Young loss, whose exp(-loss) is no probability: use loss_type='nll', or a likelihood loss "
                 "(sparse_softmax, taylor_softmax, perturb_max) for DFT")
+    if not asked_for_tokens and reads_policy_log_probs(trainer) and getattr(trainer, "compute_loss_func", None) is None:
+        return (f"{type(trainer).__name__} runs the model without labels and computes its own objective from the "
+                f"logits under softmax, so the patched {loss!r} loss would not be trained: use SFTTrainer, or a TRL "
+                "trainer that asks the model for its log-probabilities (DPO, KTO, GRPO, RLOO) with a likelihood loss")
     if loss_rule in ("fenchel_young", "margin") and reads_policy_log_probs(trainer):
         return (f"{type(trainer).__name__} reads log_probs as the policy's log-probabilities, and under the patched "
                 f"{loss!r} loss the model answers with -loss_t, which is no log-probability ({loss_rule} loss): use "
@@ -85,7 +94,7 @@ def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:
     if not (asked_for_tokens or trains_without_labels):
         return
     trainer = calling_trainer()
-    reason = None if trainer is None else refusal(trainer, loss, loss_rule)
+    reason = None if trainer is None else refusal(trainer, loss, loss_rule, asked_for_tokens)
     if reason is not None:
         raise ValueError(reason)
 

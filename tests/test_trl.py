@@ -364,3 +364,21 @@ def test_grpo_under_sparse_softmax_scores_the_trained_distribution(tmp_path):
         grpo.train()
     entropy = next(log["entropy"] for log in grpo.state.log_history if "entropy" in log)
     assert 0 < entropy <= math.log(5) + 1e-4  # dense softmax over 30 tokens would be near log(30) = 3.4
+
+
+@pytest.mark.parametrize("loss,rule", [("sparse_softmax", "kept_logsumexp"), ("sparsemax", "fenchel_young")])
+def test_trl_trainers_that_compute_their_own_objective_from_the_logits_are_refused(loss, rule):
+    """ORPO runs the model without labels and adds dense cross-entropy itself: the patched loss would not train."""
+    import types
+
+    from trl.experimental.orpo import ORPOTrainer
+
+    from hf_sparsemax.trainer_guard import refusal
+
+    orpo = object.__new__(ORPOTrainer)
+    orpo.args = types.SimpleNamespace(loss_type="sigmoid")
+    reason = refusal(orpo, loss, rule, asked_for_tokens=False)
+    assert reason is not None and "ORPOTrainer runs the model without labels" in reason
+    sft = object.__new__(SFTTrainer)
+    sft.args = types.SimpleNamespace(loss_type="nll")
+    assert refusal(sft, loss, rule, asked_for_tokens=False) is None  # SFT: its compute_loss_func route is its own
