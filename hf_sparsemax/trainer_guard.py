@@ -68,11 +68,12 @@ def refusal(trainer, loss: str, loss_rule: str, asked_for_tokens: bool = True) -
         return (f"TRL's loss_type='dft' weights each token by exp(log_probs), and the patched {loss!r} loss is a "
                 "Fenchel-Young loss, whose exp(-loss) is no probability: use loss_type='nll', or a likelihood loss "
                 "(sparse_softmax, taylor_softmax, perturb_max) for DFT")
-    if not asked_for_tokens and reads_policy_log_probs(trainer) and getattr(trainer, "compute_loss_func", None) is None:
+    beyond_sft = trl_beyond_sft(trainer)
+    if not asked_for_tokens and beyond_sft and getattr(trainer, "compute_loss_func", None) is None:
         return (f"{type(trainer).__name__} runs the model without labels and computes its own objective from the "
                 f"logits under softmax, so the patched {loss!r} loss would not be trained: use SFTTrainer, or a TRL "
                 "trainer that asks the model for its log-probabilities (DPO, KTO, GRPO, RLOO) with a likelihood loss")
-    if loss_rule in ("fenchel_young", "margin") and reads_policy_log_probs(trainer):
+    if loss_rule in ("fenchel_young", "margin") and beyond_sft:
         return (f"{type(trainer).__name__} reads log_probs as the policy's log-probabilities, and under the patched "
                 f"{loss!r} loss the model answers with -loss_t, which is no log-probability ({loss_rule} loss): use "
                 "a likelihood loss (sparse_softmax, taylor_softmax, perturb_max), whose -loss_t is log p_t, or "
@@ -80,8 +81,9 @@ def refusal(trainer, loss: str, loss_rule: str, asked_for_tokens: bool = True) -
     return None
 
 
-def reads_policy_log_probs(trainer) -> bool:
-    """Whether ``trainer`` is one of TRL's trainers other than ``SFTTrainer`` (by class module, no import)."""
+def trl_beyond_sft(trainer) -> bool:
+    """Whether ``trainer`` is one of TRL's trainers other than ``SFTTrainer`` (by class module, no import): those
+    read ``log_probs`` as the policy's, or compute their own objective from the logits."""
     classes = type(trainer).__mro__
     from_trl = any(c.__module__.split(".")[0] == "trl" for c in classes)
     return from_trl and not any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl") for c in classes)

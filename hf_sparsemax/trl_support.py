@@ -228,7 +228,7 @@ def fused_token_stats(hidden, head, target, loss, options, values: HeadValues) -
     def recording_support(rows, t, masked):
         index, p, items = support(rows, t, masked)
         with torch.no_grad():
-            records.append((items.float(), *token_stats(index, p, t, rows)[:4]))
+            records.append((items.float(), *token_stats(index, p, t, rows)))
         return index, p, items
 
     tokens = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
@@ -260,17 +260,17 @@ def dense_token_stats(logits, target, loss, options) -> TokenStats:
     if not stats:
         empty = logits.new_zeros(0, dtype=torch.float32)
         return TokenStats(empty, target.new_zeros(0, dtype=torch.bool), empty, empty)
-    return TokenStats(*(torch.cat(column) for column in list(zip(*stats))[:4]))
+    return TokenStats(*(torch.cat(column) for column in zip(*stats)))
 
 
-def token_stats(index, p: torch.Tensor, t: torch.Tensor, rows: torch.Tensor) -> TokenStats:
+def token_stats(index, p: torch.Tensor, t: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per row of logits ``rows``: ``-sum_i p_i log p_i``, ``[argmax_i p_i = t]``, ``log sum_i p_i^2`` and the mean
-    of ``rows``; ``p`` dense (``index`` None) or over ``index``."""
+    of ``rows`` (the first four fields of :class:`TokenStats`); ``p`` dense (``index`` None) or over ``index``."""
     top = p.argmax(-1, keepdim=True)
     if index is not None:
         top = index.gather(-1, top)
-    return TokenStats(-torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t,
-                      p.square().sum(-1).log().float(), rows.float().mean(-1))
+    return (-torch.special.xlogy(p, p).sum(-1).float(), top.squeeze(-1) == t, p.square().sum(-1).log().float(),
+            rows.mean(-1, dtype=torch.float32))  # no float copy of the [chunk, vocab] rows
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,11 @@ import torch
 
 from ._sync_free import DENSE_TOLERANCE_ULPS  # Newton stops once tau moves by at most this many ulp of 1
 from ._sync_free import find_threshold as sync_free_threshold
+from ._sync_free import near_one as sync_free_near_one
 from ._sync_free import solve_on_top as sync_free_on_top
 from ._sync_free import threshold_map as sync_free_map
 
 SHORT_ROWS = 2048  # rows up to this length are solved by Newton passes over the whole row, not topk
-NEAR_ONE = 1.125  # alphas below: whole-row Newton at any length (wide supports)
 LONG_ROWS = 16384  # up to here, rows the top candidates cannot solve go to whole-row Newton, not to more candidates
 DENSE_MAX_ITER = 50
 CHUNK_ELEMENTS = 1 << 20  # rows are finished in blocks of ~4 MiB so the passes after the first hit cache
@@ -205,7 +205,7 @@ def dense_solve_block(rows: torch.Tensor, alpha: float | torch.Tensor, masked: f
 def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, solve: Solver, k0: int, *row_args):
     """Row maximum, ``tau - max`` and support size.
 
-    Whole-row Newton for rows up to ``SHORT_ROWS`` and for alphas below ``NEAR_ONE`` (any length); top
+    Whole-row Newton for rows up to ``SHORT_ROWS`` and for alphas near 1 (:func:`near_one`, any length); top
     candidates otherwise, with whole-row Newton for the rows (up to ``LONG_ROWS``) they do not settle.
     """
     if torch.compiler.is_compiling():  # same answer, no host sync (see _sync_free)
@@ -223,10 +223,8 @@ def find_threshold(rows: torch.Tensor, masked: float, alpha: float | torch.Tenso
 
 
 def near_one(alpha: float | torch.Tensor) -> bool:
-    """Whether some alpha is below ``NEAR_ONE``: supports are then wide (the whole row as alpha -> 1), so top
-    candidates would retry up to a sort; whole-row Newton runs on rows of any length instead."""
-    low = float(alpha.min()) if isinstance(alpha, torch.Tensor) else alpha
-    return low < NEAR_ONE
+    """Whether some alpha is near 1 (:func:`._sync_free.near_one`; one host read for a tensor)."""
+    return sync_free_near_one(float(alpha.min()) if isinstance(alpha, torch.Tensor) else alpha)
 
 
 def dense_fits(alpha: float | torch.Tensor, dtype: torch.dtype) -> bool:

@@ -183,13 +183,20 @@ def exact_fallback(rows, masked, solve: Callable, tau, size, done, *row_args):
 def find_threshold(rows, masked, alpha, solve: Callable, k0: int, *row_args):
     """Sync-free :func:`._core.find_threshold`: ``(shift, tau, size)``, exact, each ``[rows, 1]``."""
     n = rows.shape[-1]
-    near_one = not isinstance(alpha, torch.Tensor) and alpha < 1.125  # wide supports: whole rows at any length
-    if (n <= SHORT_ROWS or near_one) and (isinstance(alpha, torch.Tensor) or 1 < alpha <= 2):
+    wide = not isinstance(alpha, torch.Tensor) and near_one(alpha)  # wide supports: whole rows at any length
+    if (n <= SHORT_ROWS or wide) and (isinstance(alpha, torch.Tensor) or 1 < alpha <= 2):
         shift, tau, size, done = newton_certified(rows, alpha, masked)
     else:
         shift, tau, size, done = on_top(rows, solve, k0, masked, *row_args)
     tau, size = exact_fallback(rows, masked, solve, tau, size, done, *row_args)
     return shift, tau, size
+
+
+def near_one(low: float) -> bool:
+    """Whether an alpha of ``low`` is below 1.125: supports are then wide (the whole row as alpha -> 1), so top
+    candidates would retry up to a sort; whole-row Newton runs on rows of any length instead (eager and compiled).
+    A literal, not a module-level float: ``torch.compile(dynamic=True)`` would read that as a symbolic input."""
+    return low < 1.125
 
 
 def solve_on_top(rows, solve: Callable, k0: int, masked: float, *row_args):
