@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from hf_sparsemax import supported_families
+
 DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, head_dim=8,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -50,6 +52,13 @@ FAMILIES = {
     "modernbert": ("ModernBertForMaskedLM", dict(ENCODER, global_attn_every_n_layers=2, local_attention=4,
                                                  cls_token_id=1, sep_token_id=2), "encoder"),
 }
+# Families that moved onto the attention interface in a later transformers release join the sweep where the
+# installed release routes them (transformers 5.24: GPT-J); on older releases they are refused (test_attention).
+NEWLY_ROUTED = {
+    "gptj": ("GPTJForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, rotary_dim=4,
+                                     bos_token_id=1, eos_token_id=2), "causal"),
+}
+FAMILIES.update({family: entry for family, entry in NEWLY_ROUTED.items() if family in supported_families()})
 
 
 def tiny_model(family: str, attn_implementation: str = "eager", seed: int = 0):
