@@ -55,3 +55,39 @@ def test_recipe_commands_document_overrides_and_refuse_unknown_options(capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hf-sparsemax: error: unrecognized arguments: --epochs 3") and "\n" not in err
+
+
+PLAIN_INSTALL = """
+import sys
+for name in {missing!r}:  # what `pip install hf-sparsemax` (no extras) lacks: find_spec gives None, import fails
+    sys.modules[name] = None
+from hf_sparsemax.app.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    "missing, argv, names, extra",
+    [
+        (["datasets", "peft", "matplotlib", "gguf"], ["compare", "classify"], "datasets, matplotlib", "recipes"),
+        (["datasets", "peft", "matplotlib", "gguf"], ["train", "default"], "datasets", "recipes"),
+        (["matplotlib"], ["compare", "default"], "matplotlib", "recipes"),  # e.g. only the `metrics` extra
+        (["peft"], ["train", "default"], "peft", "recipes"),  # the default recipe trains LoRA adapters
+        (["gguf"], ["evaluate", "default"], "gguf", "recipes"),  # the offline SmolLM2 is a GGUF file
+        (["gguf"], ["decoding-report", "--prompt", "x"], "gguf", "offline"),
+    ],
+    ids=["plain-compare", "plain-train", "no-matplotlib", "no-peft", "no-gguf", "decoding-report-no-gguf"],
+)
+def test_missing_optional_packages_stop_at_once_naming_the_extra(tmp_path, missing, argv, names, extra):
+    """Each command path checks its optional packages before loading a model or writing anything: one line,
+    exit code 2, the install command, nothing left in the working folder."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PLAIN_INSTALL.format(missing=missing, argv=argv)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    err = done.stderr.strip()
+    assert "\n" not in err and err.startswith("hf-sparsemax: error:"), err
+    assert f"needs {names}, not installed" in err and f'pip install "hf-sparsemax[{extra}]"' in err, err
+    assert list(tmp_path.iterdir()) == []

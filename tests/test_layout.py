@@ -103,3 +103,19 @@ def test_library_modules_import_no_cycle():
 
     cycles = [c for name in sorted(modules) if name not in package_inits and (c := cycle_from(name))]
     assert cycles == []
+
+
+def test_every_package_ships_and_the_recipes_have_one_copy_at_the_top_level():
+    """pyproject.toml lists the packages by hand (the recipes need a package-dir mapping): a new sub-package
+    missing from the list would be left out of the wheel. The recipes live once, in ``recipes/``."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        setuptools = tomllib.load(handle)["tool"]["setuptools"]
+    on_disk = {os.path.relpath(folder, ROOT).replace(os.sep, ".") for folder, _, files in os.walk(PACKAGE)
+               if "__init__.py" in files}
+    assert set(setuptools["packages"]) == on_disk | {"hf_sparsemax.app.recipes"}
+    assert setuptools["package-dir"] == {"hf_sparsemax.app.recipes": "recipes"}
+    assert sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")) == [
+        "classify.yaml", "default.yaml"]
+    assert not os.path.exists(os.path.join(PACKAGE, "app", "recipes"))

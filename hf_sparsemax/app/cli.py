@@ -67,8 +67,12 @@ def decoding_report_command(args) -> int:
 
     from ..settings import SparseSettings
 
+    from .extras import offline_gguf, require
+
     options = dict(args.loss_option)
     SparseSettings(loss=args.loss, loss_options=options)  # bad names or options fail before the model loads
+    if offline_gguf(args.model):
+        require(["gguf"], "the offline SmolLM2 model (a GGUF file)" if args.model is None else f"{args.model!r}")
     model, tokenizer = load_model(args.model)
     if args.loss:
         patch_model(model, loss=args.loss, loss_options=options)
@@ -114,11 +118,16 @@ def add_recipe_command(commands, name: str) -> None:
 
 
 def recipe_command(args) -> int:
-    from . import commands
+    from .extras import offline_gguf, require
     from .recipes import load_recipe
 
+    require(["datasets", *(["matplotlib"] if args.command == "compare" else [])], f"hf-sparsemax {args.command}")
     seeds = getattr(args, "seeds", None)
     recipe = load_recipe(args.recipe, args.overrides + ([f"seeds={seeds}"] if seeds is not None else []))
+    if offline_gguf(recipe.model):
+        require(["gguf"], f"the model {recipe.model!r} (a GGUF file)", extra="recipes")
+    from . import commands
+
     if args.command == "compare":
         out = commands.compare_command(recipe, args.output, args.resume)
         runs = f" x {len(recipe.seeds)} seeds" if recipe.seeds is not None else ""

@@ -32,7 +32,16 @@ from ..mappings import registry
 from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")  # shipped as package data
+
+
+def _recipe_dir() -> str:
+    """The shipped recipes: package data of an installed wheel, else ``recipes/`` of a source checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed, checkout = os.path.join(here, "recipes"), os.path.join(here, os.pardir, os.pardir, "recipes")
+    return installed if os.path.isdir(installed) else os.path.normpath(checkout)
+
+
+RECIPE_DIR = _recipe_dir()
 
 TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArguments otherwise)
     "report_to": "none",
@@ -323,6 +332,9 @@ def check_seeds(seeds: Any) -> list[int] | None:
 
 
 def lora_fields() -> list[str]:
+    from .extras import require
+
+    require(["peft"], "a recipe with `lora` (null: full fine-tuning)")
     from peft import LoraConfig
 
     return [f.name for f in dataclasses.fields(LoraConfig) if f.init]
