@@ -10,7 +10,7 @@ with ``s`` a multiplier (Cohere's ``logit_scale``, Falcon-H1's
 head loss (:func:`hf_sparsemax.fused_head_loss`) recomputes the logits from
 ``h`` chunk by chunk, so it must apply the same transform: a family is fused
 only if it is in :data:`HEAD_TRANSFORMS`, the table below, which was read off
-each family's ``*ForCausalLM.forward`` in transformers 5.23 (and every entry
+each family's ``*ForCausalLM.forward`` in transformers 5.23 and re-read on 5.24 (every entry
 is tested fused == unfused). Anything else (a family not listed, a subclass
 with its own ``forward``, a mixture-of-experts model asked for its router's
 load-balancing loss, a scale held in a tensor) is refused with ``ValueError``
