@@ -38,3 +38,16 @@ def test_the_readme_keeps_the_test_command_where_ci_reads_it():
     fence = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
     assert lines[fence] == "```bash" and "python -m pytest" in lines[fence + 1]
     assert '".[test]"' in lines[fence + 1]
+
+
+def test_every_code_block_says_whether_it_runs():
+    """The examples' runner executes ```python blocks only: a block spelled ```py or left unmarked would silently
+    never run, so every fenced block names one of the languages below."""
+    pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md")]
+    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names if name.endswith(".md")]
+    languages = {}
+    for page in pages:
+        fences = re.findall(r"^ *```(.*)$", open(page).read(), re.M)
+        languages[os.path.relpath(page, ROOT)] = set(fences[0::2])  # opening fences; closing ones are bare
+    assert {page: used for page, used in languages.items() if not used <= {"python", "bash", "yaml", "text"}} == {}
+    assert any("python" in used for used in languages.values())
