@@ -1,8 +1,8 @@
 """Griffe extension for the API reference: the docstrings' Sphinx roles as Markdown.
 
 The docstrings write cross-references the Sphinx way (``:func:`~hf_sparsemax.patch_model```), which Markdown
-would show verbatim. A public name of the package (``hf_sparsemax.<name in __all__>``, each rendered in the
-reference) becomes a link to where it is defined, which the strict build checks; any other target becomes
+would show verbatim. A public name of the package (``hf_sparsemax.<name in __all__>`` or the bare name, each
+rendered in the reference) becomes a link to where it is defined, which the strict build checks; any other target becomes
 inline code.
 """
 
@@ -22,6 +22,7 @@ class SphinxRoles(griffe.Extension):
         def replace(match: re.Match) -> str:
             short, target = match.group(1) == "~", match.group(2)
             shown = target.rsplit(".", 1)[-1] if short else target.lstrip(".")
+            target = target if target in linked else f"{pkg.path}.{target}"  # a bare public name, `patch_model`
             return f"[`{shown}`][{linked[target]}]" if target in linked else f"`{shown}`"
 
         def visit(obj: griffe.Object) -> None:
