@@ -28,15 +28,54 @@ def smollm2_gguf() -> tuple[str, str]:
 
 
 def load_smollm2(**kwargs):
-    """SmolLM2-135M-Instruct model and tokenizer from the GGUF file, de-quantised so Trainer accepts it."""
+    """SmolLM2-135M-Instruct model and tokenizer, de-quantised so Trainer accepts it.
+
+    Loaded from the safetensors copy :func:`gguf_cache` makes of the GGUF file on first use (a second or two;
+    the first call parses the GGUF). ``kwargs`` go to ``from_pretrained`` (``attn_implementation=...``).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = smollm2_gguf()
+    folder = gguf_cache(*smollm2_gguf())
+    return AutoModelForCausalLM.from_pretrained(folder, **kwargs), AutoTokenizer.from_pretrained(folder)
+
+
+def gguf_cache(folder: str, name: str) -> str:
+    """A ``save_pretrained`` copy of a GGUF model (de-quantised weights and tokenizer), made on first use.
+
+    Reading a GGUF file parses every tokenizer entry in Python (15-45 s for
+    SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
+    the safetensors copy loads in a second or two. It lives under
+    ``$HF_SPARSEMAX_CACHE`` (default ``~/.cache/hf_sparsemax``), keyed by the
+    file's path, size and modification time, and is written to a temporary
+    folder first and renamed, so a crash never leaves a broken copy.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.join(folder, name)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_sparsemax")
+    target = os.path.join(root, "gguf", f"{os.path.splitext(name)[0]}-{key}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    return model, tokenizer
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    work = tempfile.mkdtemp(prefix=os.path.basename(target) + ".", dir=os.path.dirname(target))
+    model.save_pretrained(work)
+    tokenizer.save_pretrained(work)
+    os.chmod(work, 0o755)
+    try:
+        os.rename(work, target)
+    except OSError:  # another process made it meanwhile
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def minilm_folder() -> str:

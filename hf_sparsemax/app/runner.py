@@ -26,6 +26,7 @@ import torch
 from .. import metrics
 from ..loss_names import loss_mapping
 from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
+from .assets import gguf_cache
 from .recipes import Recipe, RecipeError, Variant, one_line
 
 
@@ -49,45 +50,6 @@ def model_location(spec: str) -> tuple[str, str | None]:
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith("/"):
         raise RecipeError(f"model folder {spec} not found: fix `model` (a model id, folder or .gguf file)")
     return spec, None
-
-
-def gguf_cache(folder: str, name: str) -> str:
-    """A ``save_pretrained`` copy of a GGUF model (de-quantised weights and tokenizer), made on first use.
-
-    Reading a GGUF file parses every tokenizer entry in Python (15-45 s for
-    SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
-    the safetensors copy loads in a second or two. It lives under
-    ``$HF_SPARSEMAX_CACHE`` (default ``~/.cache/hf_sparsemax``), keyed by the
-    file's path, size and modification time, and is written to a temporary
-    folder first and renamed, so a crash never leaves a broken copy.
-    """
-    import hashlib
-    import shutil
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = os.path.join(folder, name)
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_sparsemax")
-    target = os.path.join(root, "gguf", f"{os.path.splitext(name)[0]}-{key}")
-    if os.path.isfile(os.path.join(target, "config.json")):
-        return target
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    work = tempfile.mkdtemp(prefix=os.path.basename(target) + ".", dir=os.path.dirname(target))
-    model.save_pretrained(work)
-    tokenizer.save_pretrained(work)
-    os.chmod(work, 0o755)
-    try:
-        os.rename(work, target)
-    except OSError:  # another process made it meanwhile
-        shutil.rmtree(work, ignore_errors=True)
-    return target
 
 
 def local_model(spec: str) -> str:

@@ -1,0 +1,53 @@
+"""The documentation site builds in strict mode, and its API reference covers the public names.
+
+The examples of README.md and docs/ run as tests of their own (the root conftest.py collects them).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import hf_sparsemax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+
+
+def test_the_docs_build_in_strict_mode(tmp_path):
+    """A broken link, a missing page, an unresolved reference or a docstring mkdocstrings cannot render fails."""
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           os.path.join(ROOT, "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (tmp_path / "site" / "reference" / "patching" / "index.html").exists()
+
+
+def test_every_public_name_has_a_reference_entry():
+    reference = os.path.join(DOCS, "reference")
+    text = "".join(open(os.path.join(reference, name)).read() for name in os.listdir(reference))
+    rendered = {match.rsplit(".", 1)[-1] for match in re.findall(r"^::: ([\w.]+)", text, re.M)}
+    assert set(hf_sparsemax.__all__) - rendered == set()
+
+
+def test_the_readme_keeps_the_test_command_where_ci_reads_it():
+    """.ci/run runs the fenced bash block right after the README line starting with **Tests**."""
+    lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("**Tests**"))
+    fence = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
+    assert lines[fence] == "```bash" and "python -m pytest" in lines[fence + 1]
+    assert '".[test]"' in lines[fence + 1]
+
+
+def test_every_code_block_says_whether_it_runs():
+    """The examples' runner executes ```python blocks only: a block spelled ```py or left unmarked would silently
+    never run, so every fenced block names one of the languages below."""
+    pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md")]
+    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names if name.endswith(".md")]
+    languages = {}
+    for page in pages:
+        fences = re.findall(r"^ *```(.*)$", open(page).read(), re.M)
+        languages[os.path.relpath(page, ROOT)] = set(fences[0::2])  # opening fences; closing ones are bare
+    assert {page: used for page, used in languages.items() if not used <= {"python", "bash", "yaml", "text"}} == {}
+    assert any("python" in used for used in languages.values())
