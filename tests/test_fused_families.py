@@ -12,7 +12,7 @@ import transformers
 import hf_sparsemax as hs
 from hf_sparsemax.fused_heads import HEAD_TRANSFORMS
 
-from families import DECODER, FAMILIES
+from families import DECODER, FAMILIES, NEWLY_ROUTED
 
 EXTRA = {  # causal-LM families with head transforms that the attention sweep does not build
     "cohere": ("CohereForCausalLM", dict(DECODER, logit_scale=0.3), "causal"),
@@ -28,7 +28,7 @@ HEAD_SETTINGS = {  # non-default head transforms for sweep families (their tiny 
     "gemma2": {"final_logit_softcapping": 2.0},
     "gemma3_text": {"final_logit_softcapping": 2.0},
 }
-ALL = {**FAMILIES, **EXTRA}
+ALL = {**NEWLY_ROUTED, **FAMILIES, **EXTRA}  # the fused head needs no attention interface: GPT-J on any release
 LOSSES = [("sparsemax", {}), ("sparse_softmax", {"top_k": 5})]
 
 
