@@ -37,6 +37,7 @@ from .mappings._core import masked_below, support_backward, to_rows
 from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
 from .mappings.entmax import sqrt_on_support
 from .mappings.normmax import normmax_rows, normmax_vjp
+from .mappings.normmax import precise_in_float32 as normmax_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
 from .mappings.sparsemax import check_k, sparsemax_rows, support_indicator
 
@@ -261,7 +262,7 @@ def normmax_bisect_loss(
         raise ValueError("normmax_bisect_loss takes a float alpha > 1, not a tensor (normmax_bisect, the mapping, "
                          "takes one per slice)")
     alpha = check_alpha(alpha)
-    work_in_float64 = not precise_in_float32(2 - 1 / alpha)
+    work_in_float64 = not normmax_in_float32(alpha)
 
     def items_fn(rows, t, masked):
         work = rows.double() if work_in_float64 else rows

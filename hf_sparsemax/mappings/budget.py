@@ -10,7 +10,9 @@ weighting of a soft ``k``-subset, not a probability distribution (no loss, no de
 ``f(tau) = sum clip(x - tau, 0, 1)`` is piecewise linear and decreasing: with the active set
 ``A = {0 < x - tau < 1}`` and ``O = {x - tau >= 1}``, the root of its current piece is
 ``tau = (sum_A x + |O| - budget) / |A|``. Those Newton steps, safeguarded by bisection in
-``[min x - 1, max x]``, reach the exact piece in a few passes. A slice with fewer non-excluded entries than
+``[min x - 1, max x]`` (a step that does not land strictly inside the bracket is a bisection step:
+``f`` is neither convex nor concave, and Newton alone can cycle between two pieces), reach the exact
+piece in a few passes. A slice with fewer non-excluded entries than
 ``budget`` (infeasible) gives 1 on each of them, as the entmax package does.
 
 Jacobian on ``A``: ``I - 1 1^T / |A|`` (the shared support backward with the indicator of ``A``);
@@ -51,7 +53,7 @@ def budget_rows(rows: torch.Tensor, budget: float | torch.Tensor, masked: float,
         above = total >= budget  # f(tau) >= budget: the root is at or right of tau
         lo, hi = torch.where(above, tau, lo), torch.where(above, hi, tau)
         newton = (torch.where(active, d, 0).sum(-1, keepdim=True, dtype=torch.float64) + n_ones - budget) / n_active
-        inside = (n_active > 0) & (newton >= lo) & (newton <= hi)
+        inside = (n_active > 0) & (newton > lo) & (newton < hi)  # strictly: at a bracket end it could cycle
         step = torch.where(inside, newton, (lo + hi) / 2)
         done = done | (total == budget) | ((step - tau).abs() <= 4 * eps * (1 + tau.abs()))
         tau = torch.where(done, tau, step)
@@ -102,9 +104,9 @@ class BudgetBisectFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, budget, dim: int, n_iter: int | None) -> torch.Tensor:
         rows_budget = row_budget(budget, x, dim) if isinstance(budget, torch.Tensor) else budget
 
-        def rows_fn(rows: torch.Tensor) -> torch.Tensor:
+        def rows_fn(rows: torch.Tensor) -> torch.Tensor:  # in float64: p = x - tau keeps the ulp of x, not of p
             b = rows_budget.to(rows.device) if isinstance(rows_budget, torch.Tensor) else rows_budget
-            return budget_rows(rows, b, masked_below(x.dtype), n_iter)
+            return budget_rows(rows.double(), b, masked_below(x.dtype), n_iter).to(rows.dtype)
 
         out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.budget_is_tensor = dim, isinstance(budget, torch.Tensor)
@@ -134,7 +136,7 @@ def budget_bisect(
     that requires grad receives its gradient). ``n_iter=None`` solves exactly; an integer runs that many
     safeguarded Newton steps. Excluded entries (``-inf`` / ``finfo.min``) get 0; a slice with fewer other
     entries than ``budget`` gets 1 on each of them (a fully masked slice zeros); NaN or ``+inf`` makes the
-    slice NaN; half precision is computed in float32.
+    slice NaN; the solve runs in float64 (``p = x - tau`` would otherwise carry the rounding of ``x``).
     """
     dim = check_input(x, dim)
     budget = check_budget(budget, x.dtype)

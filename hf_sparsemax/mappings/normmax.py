@@ -31,7 +31,7 @@ import torch
 
 from ._core import check_input, find_threshold, map_rows, masked_below, row_alpha, solve_on_top, support_power
 from ._core import threshold_map, work_dtype
-from .entmax import CANDIDATES, bisect_solve, check_alpha, precise_in_float32
+from .entmax import CANDIDATES, bisect_solve, check_alpha
 
 
 def normmax_rows(
@@ -58,6 +58,19 @@ def normmax_rows(
     u = threshold_map(scaled, top1, tau, entmax_alpha - 1, 1 / (alpha - 1))  # relu(x - max - tau) ** beta
     total = u.sum(-1, keepdim=True)
     return u / total.masked_fill(total == 0, 1.0), tau
+
+
+def precise_in_float32(alpha: float | torch.Tensor) -> bool:
+    """Whether float32 keeps normmax within about 1e-7 for these alphas: all in [8/7, 2] (else float64).
+
+    The solve is alpha'-entmax's (``alpha' = 2 - 1/alpha`` in [1.125, 1.5] there, see
+    :func:`.entmax.precise_in_float32`), and the output power ``1/(alpha - 1)`` is at least 1: for
+    alpha > 2 it is below 1 and amplifies the rounding of ``x - tau`` near the threshold.
+    """
+    low, high = 8 / 7, 2.0
+    if isinstance(alpha, torch.Tensor):
+        return bool(((alpha >= low) & (alpha <= high)).all())
+    return low <= alpha <= high
 
 
 def normmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool):
@@ -88,9 +101,8 @@ class NormmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
         alpha_rows = row_alpha(alpha, x, dim) if isinstance(alpha, torch.Tensor) else alpha
-        entmax_alpha = 2 - 1 / alpha_rows
         upcast = x.dtype != torch.float64 and (
-            isinstance(alpha, torch.Tensor) and torch.compiler.is_compiling() or not precise_in_float32(entmax_alpha))
+            isinstance(alpha, torch.Tensor) and torch.compiler.is_compiling() or not precise_in_float32(alpha_rows))
 
         def rows_fn(rows: torch.Tensor) -> torch.Tensor:
             a = alpha_rows.to(rows.device) if isinstance(alpha_rows, torch.Tensor) else alpha_rows
