@@ -19,6 +19,8 @@ import entmax.losses
 import entmax.root_finding
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.autograd import gradcheck
 
@@ -403,3 +405,51 @@ def test_a_learned_alpha_or_budget_is_a_parameter_of_the_module():
                      (hs.SparseSoftmax, 0), (hs.NormmaxBisectLoss, 1.0)):
         with pytest.raises(ValueError):
             cls(bad)
+
+
+def test_n_iter_and_per_slice_options_reach_the_solver():
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(14)) * 2
+    for f in (lambda x, **k: hs.normmax_bisect(x, 1.5, **k), lambda x, **k: hs.budget_bisect(x, 3.5, **k)):
+        rough, exact = f(x, n_iter=1), f(x)
+        assert (rough - exact).abs().max() > 1e-4
+        assert (f(x, n_iter=60) - exact).abs().max() <= 1e-6
+    y = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(15))
+    values = torch.tensor([1.2, 1.5, 3.0]).view(3, 1)
+    for f in (hs.normmax_bisect, hs.budget_bisect):
+        out = f(y, values)
+        for i, v in enumerate(values.flatten().tolist()):
+            torch.testing.assert_close(out[:, i], f(y[:, i], v), rtol=0, atol=1e-7)
+        torch.testing.assert_close(f(y.transpose(0, 2), values.T.unsqueeze(-1), dim=0), out.transpose(0, 2))
+
+
+@st.composite
+def rows(draw):
+    n, count = draw(st.integers(1, 30)), draw(st.integers(1, 3))
+    scale = draw(st.sampled_from([1e-3, 1.0, 10.0, 1e3]))
+    values = draw(st.lists(st.floats(-5, 5, width=32), min_size=n * count, max_size=n * count))
+    x = torch.tensor(values, dtype=F64).view(count, n) * scale
+    if draw(st.booleans()):  # ties
+        x[:, : n // 2] = x[:, :1]
+    return x
+
+
+@given(rows(), st.sampled_from([1.05, 1.5, 2.0, 4.0]), st.floats(-100, 100))
+def test_normmax_properties(x, alpha, shift):
+    p = hs.normmax_bisect(x, alpha)
+    assert bool((p >= 0).all()) and torch.allclose(p.sum(-1), torch.ones(len(x), dtype=F64), atol=1e-9)
+    moved = hs.normmax_bisect(x + shift, alpha)  # invariant to a constant, up to the rounding of x + shift
+    assert (moved - p).abs().max() <= 1e-9 * (1 + abs(shift)) * (1 + x.abs().max()) ** 2 or (
+        alpha > 2 and ((moved > 0) != (p > 0)).any())  # a power below 1 magnifies an entry at the threshold
+    bigger = x.unsqueeze(-1) > x.unsqueeze(-2)  # order preserving, to the ulp
+    assert (p.unsqueeze(-1) >= p.unsqueeze(-2) - 4 * torch.finfo(F64).eps)[bigger].all()
+
+
+@given(rows(), st.floats(0.1, 40))
+def test_budget_properties(x, budget):
+    p = hs.budget_bisect(x, budget)
+    n = x.shape[-1]
+    assert bool(((p >= 0) & (p <= 1)).all())
+    torch.testing.assert_close(p.sum(-1), torch.full((len(x),), min(budget, n), dtype=F64), rtol=1e-9, atol=1e-9)
+    bigger = x.unsqueeze(-1) > x.unsqueeze(-2)
+    assert (p.unsqueeze(-1) >= p.unsqueeze(-2) - 4 * torch.finfo(F64).eps)[bigger].all()
+    torch.testing.assert_close(hs.budget_bisect(x, 1.0), hs.sparsemax(x), rtol=0, atol=1e-9)
