@@ -453,3 +453,12 @@ def test_budget_properties(x, budget):
     bigger = x.unsqueeze(-1) > x.unsqueeze(-2)
     assert (p.unsqueeze(-1) >= p.unsqueeze(-2) - 4 * torch.finfo(F64).eps)[bigger].all()
     torch.testing.assert_close(hs.budget_bisect(x, 1.0), hs.sparsemax(x), rtol=0, atol=1e-9)
+
+
+
+def test_budget_stops_at_the_root_of_its_piece():
+    """A total that rounds just above the budget at the root must not send the search halving towards it."""
+    x = torch.tensor([[0.2, -0.35, 0.55, -0.1, 0.9, -5.05]], dtype=F64)  # at the root the sum is 1.2 + 1 ulp
+    expected = torch.tensor([[0.05, 0.0, 0.4, 0.0, 0.75, 0.0]], dtype=F64)
+    torch.testing.assert_close(hs.budget_bisect(x, 1.2, n_iter=12), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(hs.budget_bisect(x, 1.2), expected, rtol=0, atol=1e-12)

@@ -55,7 +55,9 @@ def budget_rows(rows: torch.Tensor, budget: float | torch.Tensor, masked: float,
         newton = (torch.where(active, d, 0).sum(-1, keepdim=True, dtype=torch.float64) + n_ones - budget) / n_active
         inside = (n_active > 0) & (newton > lo) & (newton < hi)  # strictly: at a bracket end it could cycle
         step = torch.where(inside, newton, (lo + hi) / 2)
-        done = done | (total == budget) | ((step - tau).abs() <= 4 * eps * (1 + tau.abs()))
+        settled = 4 * eps * (1 + tau.abs())  # tau is the root of its own piece (to rounding), or the step is nil
+        done = done | ((n_active > 0) & ((newton - tau).abs() <= settled)) | (total == budget)
+        done = done | ((step - tau).abs() <= settled)
         tau = torch.where(done, tau, step)
         if n_iter is None and bool(done.all()):
             break
