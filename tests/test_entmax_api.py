@@ -462,3 +462,14 @@ def test_budget_stops_at_the_root_of_its_piece():
     expected = torch.tensor([[0.05, 0.0, 0.4, 0.0, 0.75, 0.0]], dtype=F64)
     torch.testing.assert_close(hs.budget_bisect(x, 1.2, n_iter=12), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(hs.budget_bisect(x, 1.2), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,budget", [((6, 5000), 300.0), ((3, 3000), 2999.5), ((4, 20000), 0.5)])
+def test_budget_supports_beyond_the_first_candidates(shape, budget):
+    """Flat rows: the support reaches past the top candidates (and past a retry or two) and is still exact."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(16), dtype=F64) * 0.01
+    ref = entmax.budget_bisect(x, budget, -1, n_iter=120)
+    torch.testing.assert_close(hs.budget_bisect(x, budget), ref, rtol=0, atol=1e-10)
+    x32 = x.float()
+    assert (hs.budget_bisect(x32, budget).double() - entmax.budget_bisect(x32.double(), budget, -1, n_iter=120)
+            ).abs().max() <= 1e-6

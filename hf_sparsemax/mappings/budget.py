@@ -12,7 +12,9 @@ weighting of a soft ``k``-subset, not a probability distribution (no loss, no de
 ``tau = (sum_A x + |O| - budget) / |A|``. Those Newton steps, safeguarded by bisection in
 ``[min x - 1, max x]`` (a step that does not land strictly inside the bracket is a bisection step:
 ``f`` is neither convex nor concave, and Newton alone can cycle between two pieces), reach the exact
-piece in a few passes. A slice with fewer non-excluded entries than
+piece in a few passes. They run on the top ``CANDIDATES`` entries of each row only (the support lies among
+them unless it reaches the last one; such rows are solved again with more), so the whole row is read
+for ``topk`` and once more for the output. A slice with fewer non-excluded entries than
 ``budget`` (infeasible) gives 1 on each of them, as the entmax package does.
 
 Jacobian on ``A``: ``I - 1 1^T / |A|`` (the shared support backward with the indicator of ``A``);
@@ -21,38 +23,36 @@ Jacobian on ``A``: ``I - 1 1^T / |A|`` (the shared support backward with the ind
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 from ._core import check_input, map_rows, masked_below, support_backward, work_dtype
 
+CANDIDATES = 64  # top entries examined first; rows whose support reaches the last one retry with four times as many
 MAX_ITER = 100  # Newton steps fall back on bisection of a float64 bracket: well inside this many
 
 
-def budget_rows(rows: torch.Tensor, budget: float | torch.Tensor, masked: float, n_iter: int | None = None):
-    """``clip(x - tau, 0, 1)`` of each ``[rows, n]`` row with ``sum = budget`` (a float or ``[rows, 1]``)."""
-    valid = rows > masked
-    top = rows.amax(-1, keepdim=True)
-    bad = torch.isnan(top) | (top == float("inf"))
-    infeasible = valid.sum(-1, keepdim=True) < budget  # also every fully masked row
-    shift = top.masked_fill(bad | infeasible, 0.0)
-    d = torch.where(valid, rows - shift, float("-inf"))
-    lo = (torch.where(valid, d, float("inf")).amin(-1, keepdim=True) - 1).double()
-    lo = lo.masked_fill(bad | infeasible, 0.0)
+def budget_solve(d: torch.Tensor, budget: float | torch.Tensor, n_iter: int | None = None):
+    """``(tau, support size)`` of ``clip(d - tau, 0, 1)`` summing to ``budget`` on float64 rows ``d`` (``-inf``:
+    excluded); safeguarded Newton, see the module docstring. Rows with fewer entries than ``budget`` get size
+    ``d.shape[-1]`` (their entries are not enough: the caller looks at more)."""
+    valid = d > float("-inf")
+    short = valid.sum(-1, keepdim=True) < budget
+    lo = torch.where(valid, d, float("inf")).amin(-1, keepdim=True).masked_fill(short, 1.0) - 1
     hi = torch.zeros_like(lo)
-    tau = lo
-    eps = torch.finfo(rows.dtype).eps
-    done = bad | infeasible
+    tau, done = lo, short.clone()
+    eps = torch.finfo(d.dtype).eps
     for _ in range(MAX_ITER if n_iter is None else n_iter):
-        v = d - tau.to(rows.dtype)
+        v = d - tau
         ones, active = v >= 1, (v > 0) & (v < 1)
-        n_ones = ones.sum(-1, keepdim=True, dtype=torch.float64)
-        n_active = active.sum(-1, keepdim=True, dtype=torch.float64)
-        total = n_ones + torch.where(active, v, 0).sum(-1, keepdim=True, dtype=torch.float64)
+        n_ones = ones.sum(-1, keepdim=True, dtype=d.dtype)
+        n_active = active.sum(-1, keepdim=True, dtype=d.dtype)
+        total = n_ones + torch.where(active, v, 0).sum(-1, keepdim=True)
         above = total >= budget  # f(tau) >= budget: the root is at or right of tau
         lo, hi = torch.where(above, tau, lo), torch.where(above, hi, tau)
-        newton = (torch.where(active, d, 0).sum(-1, keepdim=True, dtype=torch.float64) + n_ones - budget) / n_active
+        newton = (torch.where(active, d, 0).sum(-1, keepdim=True) + n_ones - budget) / n_active
         inside = (n_active > 0) & (newton > lo) & (newton < hi)  # strictly: at a bracket end it could cycle
         step = torch.where(inside, newton, (lo + hi) / 2)
         settled = 4 * eps * (1 + tau.abs())  # tau is the root of its own piece (to rounding), or the step is nil
@@ -61,7 +61,37 @@ def budget_rows(rows: torch.Tensor, budget: float | torch.Tensor, masked: float,
         tau = torch.where(done, tau, step)
         if n_iter is None and bool(done.all()):
             break
-    p = (d - tau.to(rows.dtype)).clamp_(0, 1)
+    size = (d > tau).sum(-1, keepdim=True)
+    return tau, size.masked_fill(short, d.shape[-1])
+
+
+def budget_rows(rows: torch.Tensor, budget: float | torch.Tensor, masked: float, n_iter: int | None = None):
+    """``clip(x - tau, 0, 1)`` of each ``[rows, n]`` row with ``sum = budget`` (a float or ``[rows, 1]``).
+
+    ``tau`` is found on the top ``CANDIDATES`` entries of each row (in float64, relative to the maximum):
+    exact when the last candidate lies outside the support, retried with four times as many otherwise.
+    """
+    valid = rows > masked
+    top = rows.amax(-1, keepdim=True)
+    bad = torch.isnan(top) | (top == float("inf"))
+    infeasible = valid.sum(-1, keepdim=True) < budget  # also every fully masked row
+    shift = top.masked_fill(bad | infeasible, 0.0)
+    tau = torch.zeros_like(shift, dtype=torch.float64)
+    n = rows.shape[-1]
+    k = min(n, max(CANDIDATES, 2 * math.ceil(float(budget.max() if isinstance(budget, torch.Tensor) else budget))))
+    todo = (~(bad | infeasible)).squeeze(1).nonzero().squeeze(1)
+    while todo.numel():
+        sub = rows.index_select(0, todo)
+        values = (sub.topk(k, dim=-1).values if k < n else sub.sort(dim=-1, descending=True).values).double()
+        d = (values - shift.index_select(0, todo).double()).masked_fill_(values <= masked, float("-inf"))
+        b = budget.index_select(0, todo) if isinstance(budget, torch.Tensor) else budget
+        t, size = budget_solve(d, b, n_iter)
+        tau[todo] = t
+        if k == n:
+            break
+        todo = todo[(size >= k).squeeze(1)]  # the support may go on beyond the candidates
+        k = min(4 * k, n)
+    p = torch.sub(rows, shift).sub_(tau.to(rows.dtype)).clamp_(0, 1)
     p = torch.where(infeasible, valid.to(rows.dtype), p)
     return p.masked_fill(bad, float("nan"))
 
@@ -106,9 +136,9 @@ class BudgetBisectFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, budget, dim: int, n_iter: int | None) -> torch.Tensor:
         rows_budget = row_budget(budget, x, dim) if isinstance(budget, torch.Tensor) else budget
 
-        def rows_fn(rows: torch.Tensor) -> torch.Tensor:  # in float64: p = x - tau keeps the ulp of x, not of p
+        def rows_fn(rows: torch.Tensor) -> torch.Tensor:
             b = rows_budget.to(rows.device) if isinstance(rows_budget, torch.Tensor) else rows_budget
-            return budget_rows(rows.double(), b, masked_below(x.dtype), n_iter).to(rows.dtype)
+            return budget_rows(rows, b, masked_below(x.dtype), n_iter)
 
         out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.budget_is_tensor = dim, isinstance(budget, torch.Tensor)
@@ -138,7 +168,7 @@ def budget_bisect(
     that requires grad receives its gradient). ``n_iter=None`` solves exactly; an integer runs that many
     safeguarded Newton steps. Excluded entries (``-inf`` / ``finfo.min``) get 0; a slice with fewer other
     entries than ``budget`` gets 1 on each of them (a fully masked slice zeros); NaN or ``+inf`` makes the
-    slice NaN; the solve runs in float64 (``p = x - tau`` would otherwise carry the rounding of ``x``).
+    slice NaN; half precision is computed in float32 (the threshold itself in float64).
     """
     dim = check_input(x, dim)
     budget = check_budget(budget, x.dtype)
