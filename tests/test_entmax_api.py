@@ -88,7 +88,8 @@ MODULES = {"activations": hf_sparsemax.mappings, "root_finding": hf_sparsemax.ma
 def entmax_public_names():
     """``{module name: public names}`` of the entmax package and its modules (defined in entmax, no ``_``)."""
     found = {}
-    for module in (entmax, *(m for m in vars(entmax).values() if inspect.ismodule(m) and m.__name__.startswith("entmax"))):
+    submodules = [m for m in vars(entmax).values() if inspect.ismodule(m) and m.__name__.startswith("entmax.")]
+    for module in (entmax, *submodules):
         found[module.__name__] = {
             name for name, obj in vars(module).items() if not name.startswith("_")
             and str(getattr(obj, "__name__" if inspect.ismodule(obj) else "__module__", "")).startswith("entmax")}
@@ -473,3 +474,19 @@ def test_budget_supports_beyond_the_first_candidates(shape, budget):
     x32 = x.float()
     assert (hs.budget_bisect(x32, budget).double() - entmax.budget_bisect(x32.double(), budget, -1, n_iter=120)
             ).abs().max() <= 1e-6
+
+
+def test_normmax_attention_learns_its_alpha():
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0))
+    hs.patch_model(model, attn="normmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True}, loss="normmax_bisect")
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(17))
+    out = model(input_ids=ids, labels=ids, output_attentions=True)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 2, 6))
+    out.loss.backward()
+    alphas = [p for name, p in model.named_parameters() if "alpha" in name]
+    assert alphas and all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in alphas)

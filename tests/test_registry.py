@@ -148,7 +148,8 @@ def test_options_are_validated_dataclasses(name):
     options = entry.options()
     assert dataclasses.is_dataclass(options)
     assert copy.deepcopy(options) == options and pickle.loads(pickle.dumps(options)) == options
-    with pytest.raises(ValueError, match="are not options of loss" if entry.loss else re.escape(entry.refusals["loss"])):
+    refusal = "are not options of loss" if entry.loss else re.escape(entry.refusals["loss"])
+    with pytest.raises(ValueError, match=refusal):
         SparseSettings(loss=name, loss_options={"no_such_option": 1})
     with pytest.raises(ValueError):
         registry.get("no_such_mapping")

@@ -152,7 +152,7 @@ class Mapping:
     options: type
     function: Callable[..., torch.Tensor]  # function(x, dim=-1, **options): the distribution, along dim
     rows: Callable[..., Any]  # row solver on [rows, n] float rows: rows(rows, masked, options) -> p (or log p)
-    loss: Callable[..., torch.Tensor] | None  # loss(logits, target, **options, ignore_index=, reduction=); None: no loss
+    loss: Callable[..., torch.Tensor] | None  # loss(logits, target, **options, ignore_index=, reduction=), or None
     loss_rule: str  # "fenchel_young", "kept_logsumexp" (Su's sparse softmax), "nll" (-log p_t), "margin", "none"
     alpha: float | str | None = None  # Fenchel-Young alpha, or the name of the option holding it
     support: Callable[..., Any] | None = None  # support(rows, masked, options) -> (index, p, tau) [rows, K]
