@@ -483,7 +483,8 @@ def test_normmax_attention_learns_its_alpha():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, pad_token_id=0))
-    hs.patch_model(model, attn="normmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True}, loss="normmax_bisect")
+    hs.patch_model(model, attn="normmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True},
+                   loss="normmax_bisect")
     ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(17))
     out = model(input_ids=ids, labels=ids, output_attentions=True)
     torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 2, 6))
