@@ -25,6 +25,8 @@ def contenders(with_package: bool):
         ("sparsemax", hs.sparsemax, "sparsemax"),
         ("entmax15", hs.entmax15, "entmax15"),
         ("entmax_bisect(1.5)", lambda x: hs.entmax_bisect(x, 1.5), "entmax_bisect"),
+        ("normmax_bisect(2)", lambda x: hs.normmax_bisect(x, 2.0), "normmax_bisect"),
+        ("budget_bisect(2)", lambda x: hs.budget_bisect(x, 2.0), "budget_bisect"),
         ("sparse_softmax(top_k=64)", lambda x: hs.sparse_softmax(x, top_k=64), None),
         ("taylor_softmax(2)", hs.taylor_softmax, None),
     ]
@@ -36,6 +38,8 @@ def contenders(with_package: bool):
             "sparsemax": lambda x: entmax.sparsemax(x, -1),
             "entmax15": lambda x: entmax.entmax15(x, -1),
             "entmax_bisect": lambda x: entmax.entmax_bisect(x, 1.5, -1),
+            "normmax_bisect": lambda x: entmax.normmax_bisect(x, 2.0, -1),
+            "budget_bisect": lambda x: entmax.budget_bisect(x, 2.0, -1),
         }
     return rows, package
 

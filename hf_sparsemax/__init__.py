@@ -17,7 +17,9 @@ from .losses import (
     SparseSoftmaxLoss,
     entmax15_loss,
     entmax_bisect_loss,
+    normmax_bisect_loss,
     sparse_softmax_loss,
+    sparsemax_bisect_loss,
     sparsemax_loss,
 )
 from .loss_names import mapping_loss
@@ -34,7 +36,25 @@ from .generation import (
 from .fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
 from .reload import install_load_hook
-from .mappings import entmax15, entmax_bisect, perturb_max, sparse_softmax, sparsemax, taylor_softmax
+from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, perturb_max, sparse_softmax, sparsemax
+from .mappings import sparsemax_bisect, taylor_softmax
+from .modules import (  # generated from the registry of mappings: one module per mapping and per loss
+    AMSoftmax,
+    AMSoftmaxLoss,
+    BudgetBisect,
+    Entmax15,
+    EntmaxBisect,
+    NormmaxBisect,
+    NormmaxBisectLoss,
+    PerturbMax,
+    PerturbMaxLoss,
+    SparseSoftmax,
+    Sparsemax,
+    SparsemaxBisect,
+    SparsemaxBisectLoss,
+    TaylorSoftmax,
+    TaylorSoftmaxLoss,
+)
 
 __version__ = "0.1.0"
 
@@ -73,4 +93,24 @@ __all__ = [
     "sparsemax",
     "sparsemax_loss",
     "taylor_softmax",
+    "budget_bisect",
+    "normmax_bisect",
+    "normmax_bisect_loss",
+    "sparsemax_bisect",
+    "sparsemax_bisect_loss",
+    "AMSoftmax",
+    "AMSoftmaxLoss",
+    "BudgetBisect",
+    "Entmax15",
+    "EntmaxBisect",
+    "NormmaxBisect",
+    "NormmaxBisectLoss",
+    "PerturbMax",
+    "PerturbMaxLoss",
+    "SparseSoftmax",
+    "Sparsemax",
+    "SparsemaxBisect",
+    "SparsemaxBisectLoss",
+    "TaylorSoftmax",
+    "TaylorSoftmaxLoss",
 ]

@@ -36,8 +36,10 @@ from torch import nn
 from .mappings._core import masked_below, support_backward, to_rows
 from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
 from .mappings.entmax import sqrt_on_support
+from .mappings.normmax import normmax_rows, normmax_vjp
+from .mappings.normmax import precise_in_float32 as normmax_in_float32
 from .mappings.sparse_softmax import check_top, sparse_softmax_rows
-from .mappings.sparsemax import sparsemax_rows, support_indicator
+from .mappings.sparsemax import check_k, sparsemax_rows, support_indicator
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -211,24 +213,70 @@ def sparse_softmax_loss(
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(lambda p: p), options=(top_p,))
 
 
-def sparsemax_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """Sparsemax (Fenchel-Young) loss ``1/2 - x_t + 1/2 sum_S (x_i**2 - tau**2)``; gradient ``sparsemax(x) - e_t``."""
+def sparsemax_loss(
+    logits, target, ignore_index: int = -100, reduction: str = "mean", k: int | None = None
+) -> torch.Tensor:
+    """Sparsemax (Fenchel-Young) loss ``1/2 - x_t + 1/2 sum_S (x_i**2 - tau**2)``; gradient ``sparsemax(x) - e_t``.
+
+    ``k``: as in :func:`~hf_sparsemax.sparsemax` (where the threshold search starts; the loss does not depend on it).
+    """
+    k = check_k(k)
 
     def items_fn(rows, t, masked):
-        p, tau = sparsemax_rows(rows, masked)
+        p, tau = sparsemax_rows(rows, masked, k)
         return p, fenchel_young_items(p, tau, 2.0, rows, t, masked)
 
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(support_indicator))
 
 
-def entmax15_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """1.5-entmax Fenchel-Young loss ``(p - e_t) . x + H_1.5(p)``; gradient ``entmax15(x) - e_t``."""
+def entmax15_loss(
+    logits, target, ignore_index: int = -100, reduction: str = "mean", k: int | None = None
+) -> torch.Tensor:
+    """1.5-entmax Fenchel-Young loss ``(p - e_t) . x + H_1.5(p)``; gradient ``entmax15(x) - e_t``.
+
+    ``k``: as in :func:`~hf_sparsemax.entmax15` (where the threshold search starts; the loss does not depend on it).
+    """
+    k = check_k(k)
 
     def items_fn(rows, t, masked):
-        p, tau = entmax15_rows(rows, masked)
+        p, tau = entmax15_rows(rows, masked, k)
         return p, fenchel_young_items(p, tau, 1.5, rows, t, masked)
 
     return run_loss(logits, target, ignore_index, reduction, items_fn, support_vjp(sqrt_on_support))
+
+
+def sparsemax_bisect_loss(logits, target, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """The entmax package's ``sparsemax_bisect_loss``: the sparsemax loss, solved exactly (:func:`sparsemax_loss`)."""
+    return sparsemax_loss(logits, target, ignore_index, reduction)
+
+
+def normmax_bisect_loss(
+    logits, target, alpha: float = 2.0, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """alpha-normmax Fenchel-Young loss ``(p - e_t) . x + 1 - ||p||_alpha = 1 + tau - x_t``; gradient ``p - e_t``.
+
+    ``p = normmax_bisect(x, alpha)`` and ``tau`` its threshold (:mod:`hf_sparsemax.mappings.normmax`);
+    ``>= 0``, zero iff ``p = e_t``. ``alpha`` is a float > 1 (a tensor ``alpha`` is for the mapping only).
+    """
+    if isinstance(alpha, torch.Tensor):
+        raise ValueError("normmax_bisect_loss takes a float alpha > 1, not a tensor (normmax_bisect, the mapping, "
+                         "takes one per slice)")
+    alpha = check_alpha(alpha)
+    work_in_float64 = not normmax_in_float32(alpha)
+
+    def items_fn(rows, t, masked):
+        work = rows.double() if work_in_float64 else rows
+        p, tau = normmax_rows(work, alpha, masked)
+        top = work.amax(-1, keepdim=True)
+        x_t = work.gather(-1, t.unsqueeze(-1))
+        items = (1 + tau - (x_t - top)).squeeze(-1).clamp_min(0)
+        items = excluded_target(items, x_t.squeeze(-1), top.squeeze(-1) < float("inf"), masked)
+        return p.to(rows.dtype), items.to(rows.dtype)
+
+    def vjp(p, grad_p, alpha_rows):
+        return normmax_vjp(p, grad_p, alpha, -1, False)
+
+    return run_loss(logits, target, ignore_index, reduction, items_fn, vjp)
 
 
 def entmax_bisect_loss(

@@ -38,6 +38,8 @@ class SparseSettings:
         if self.attn in ATTENTION_MAPPINGS:
             AttentionOptions.from_settings(self.attn, self.attn_options)  # validates the option names and values
         if self.loss not in (None, "cross_entropy"):
+            if self.loss in registry.REGISTRY and self.loss not in registry.names("loss"):
+                raise registry.REGISTRY[self.loss].refuse("loss")
             if self.loss not in registry.names("loss"):
                 raise ValueError(
                     f"loss={self.loss!r} is unknown: choose one of {['cross_entropy', *registry.names('loss')]}"

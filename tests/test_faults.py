@@ -29,6 +29,8 @@ OPTIONS = {
     "sparsemax": [{}],
     "entmax15": [{}],
     "entmax_bisect": [{"alpha": 1.3}, {"alpha": 2.5}],
+    "normmax_bisect": [{"alpha": 1.5}, {"alpha": 3.0}],
+    "budget_bisect": [{"budget": 1.0}, {"budget": 2.5}],  # slices sum to the budget
     "sparse_softmax": [{}, {"top_k": 3}, {"top_p": 0.8}, {"top_k": 3, "top_p": 0.8}],
     "taylor_softmax": [{"order": 2}],
     "perturb_max": [{"points": 32}, {"noise": "gumbel", "points": 32}],
@@ -39,6 +41,10 @@ EXTRA = {  # options that do not go through the registry: fixed iterations, a te
     "entmax_bisect(n_iter=3)": lambda x, dim=-1: hs.entmax_bisect(x, 1.3, dim, n_iter=3),
     "entmax_bisect(tensor alpha)": lambda x, dim=-1: hs.entmax_bisect(
         x, torch.full([*x.shape[:dim % x.dim()], 1, *x.shape[dim % x.dim() + 1:]], 1.4), dim),
+    "normmax_bisect(tensor alpha)": lambda x, dim=-1: hs.normmax_bisect(
+        x, torch.full([*x.shape[:dim % x.dim()], 1, *x.shape[dim % x.dim() + 1:]], 1.6), dim),
+    "budget_bisect(tensor budget, n_iter=30)": lambda x, dim=-1: hs.budget_bisect(
+        x, torch.full([*x.shape[:dim % x.dim()], 1, *x.shape[dim % x.dim() + 1:]], 1.5), dim, n_iter=30),
 }
 
 
@@ -108,8 +114,9 @@ def test_masked_entries_and_fully_masked_slices(case, dtype, length):
     p = f(x)
     assert p.dtype == dtype and bool(torch.isfinite(p).all())
     assert p[:2].abs().max() == 0 and p[2:4, :3].abs().max() == 0
-    torch.testing.assert_close(p[2:].float().sum(-1), torch.ones(3), atol=1e-2 if dtype != torch.float32 else 1e-5,
-                               rtol=0)
+    total = case[1].get("budget", 1.5 if case[0].startswith("budget") else 1.0)
+    torch.testing.assert_close(p[2:].float().sum(-1), torch.full((3,), total),
+                               atol=1e-2 * total if dtype != torch.float32 else 1e-5, rtol=0)
     torch.testing.assert_close(p[2, 3:], p[3, 3:])  # -inf and finfo.min exclude alike
     (g,) = torch.autograd.grad((p.float() * torch.arange(8.0)).sum(), x)
     assert bool(torch.isfinite(g).all()) and g[:2].abs().max() == 0 and g[2:4, :3].abs().max() == 0
@@ -179,7 +186,7 @@ def test_tied_entries_get_equal_probabilities():
 
 
 LOSSES = {f"{name}_loss" + "".join(f"-{k}={v}" for k, v in o.items()): (name, o)
-          for name, sets in OPTIONS.items() for o in sets}
+          for name, sets in OPTIONS.items() for o in sets if registry.get(name).loss}
 
 
 def loss_fn(key):

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import pickle
+import re
 
 import pytest
 import torch
@@ -119,12 +120,14 @@ def test_every_entry_works_at_each_swap_point_it_claims_and_is_refused_at_the_ot
 
 def test_the_swap_points_read_the_registry():
     assert ATTENTION_MAPPINGS == registry.names("attention")
-    assert set(LOSS_OPTIONS) == set(registry.names("loss")) == set(registry.REGISTRY)
-    assert {"sparsemax", "entmax15", "entmax_bisect", "sparse_softmax", "taylor_softmax"} <= set(ATTENTION_MAPPINGS)
-    assert "perturb_max" not in ATTENTION_MAPPINGS and "am_softmax" not in ATTENTION_MAPPINGS
+    assert set(LOSS_OPTIONS) == set(registry.names("loss")) == set(registry.REGISTRY) - {"budget_bisect"}
+    assert {"sparsemax", "entmax15", "entmax_bisect", "sparse_softmax", "taylor_softmax",
+            "normmax_bisect"} <= set(ATTENTION_MAPPINGS)
+    assert not {"perturb_max", "am_softmax", "budget_bisect"} & set(ATTENTION_MAPPINGS)
+    assert ATTENTION_OPTIONS["normmax_bisect"] == ("alpha", "learn_alpha", "chunk_size")
     assert ATTENTION_OPTIONS["entmax_bisect"] == ("alpha", "learn_alpha", "chunk_size")
     assert ATTENTION_OPTIONS["taylor_softmax"] == ("order", "chunk_size")
-    for name in registry.REGISTRY:
+    for name in registry.names("loss"):
         settings = SparseSettings(loss=name)
         assert SparseSettings.from_dict(settings.to_dict()) == settings
     assert set(registry.names("fused")) == {"sparsemax", "entmax15", "entmax_bisect", "sparse_softmax"}
@@ -145,27 +148,30 @@ def test_options_are_validated_dataclasses(name):
     options = entry.options()
     assert dataclasses.is_dataclass(options)
     assert copy.deepcopy(options) == options and pickle.loads(pickle.dumps(options)) == options
-    with pytest.raises(ValueError, match="are not options of loss"):
+    refusal = "are not options of loss" if entry.loss else re.escape(entry.refusals["loss"])
+    with pytest.raises(ValueError, match=refusal):
         SparseSettings(loss=name, loss_options={"no_such_option": 1})
     with pytest.raises(ValueError):
         registry.get("no_such_mapping")
 
 
 BAD_OPTIONS = [("entmax_bisect", {"alpha": 1.0}), ("sparse_softmax", {"top_k": 0}), ("sparse_softmax", {"top_p": 2}),
+               ("normmax_bisect", {"alpha": 0.5}), ("normmax_bisect", {"alpha": "2"}),
                ("taylor_softmax", {"order": 3}), ("perturb_max", {"noise": "cauchy"}), ("perturb_max", {"points": 0}),
                ("am_softmax", {"margin": -1}), ("am_softmax", {"scale": "big"})]
 
 
 @pytest.mark.parametrize("name,options", BAD_OPTIONS)
 def test_bad_option_values_are_one_sentence_value_errors(name, options):
-    for attempt in (lambda: SparseSettings(loss=name, loss_options=options), lambda: make_loss(name, **options),
-                    lambda: registry.REGISTRY[name].options(**options)):
+    attempts = [lambda: SparseSettings(loss=name, loss_options=options), lambda: make_loss(name, **options),
+                lambda: registry.REGISTRY[name].options(**options)]
+    for attempt in attempts if registry.REGISTRY[name].loss else attempts[2:]:
         with pytest.raises(ValueError) as error:
             attempt()
         assert "\n" not in str(error.value) and list(options)[0] in str(error.value)
 
 
-@pytest.mark.parametrize("name", list(registry.REGISTRY))
+@pytest.mark.parametrize("name", [name for name, entry in registry.REGISTRY.items() if entry.simplex])
 def test_functions_that_take_a_mapping_take_its_name(name):
     entry = registry.REGISTRY[name]
     x = torch.randn(5, 7, generator=torch.Generator().manual_seed(5)).tanh()
@@ -213,3 +219,13 @@ def test_a_new_mapping_is_one_registry_entry(monkeypatch):
     torch.testing.assert_close(torch.softmax(processor(ids, scores), -1), half_softmax(scores), rtol=0, atol=1e-6)
     fn = hs.compute_loss_func("half_softmax", task="token_classification")
     assert torch.isfinite(fn({"logits": out.logits}, ids))
+
+
+def test_a_mapping_off_the_simplex_is_refused_where_a_distribution_is_needed():
+    x, target = torch.randn(3, 5), torch.tensor([0, 1, 2])
+    reason = registry.REGISTRY["budget_bisect"].refusals["processor"]
+    for attempt in (lambda: hs.mapping_loss(x, target, "budget_bisect"),
+                    lambda: metrics.trainer_metrics("budget_bisect", vocab_size=5, causal=False)):
+        with pytest.raises(ValueError, match="no probability distribution") as error:
+            attempt()
+        assert reason in str(error.value)

@@ -44,6 +44,7 @@ from ._core import (
     threshold_support,
     work_dtype,
 )
+from .sparsemax import check_k, sparsemax
 
 CANDIDATES = 64  # top entries examined first; rows whose support is larger retry with more
 MAX_ITER = 100  # Newton/bisection steps when iterating to convergence (float64 bracket of width 1)
@@ -125,9 +126,12 @@ def precise_in_float32(alpha: float | torch.Tensor) -> bool:
     return low <= alpha <= high
 
 
-def entmax15_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1.5-entmax of each row and ``tau - max(x)/2``: ``p = relu((x - max)/2 - (tau - max/2))**2``."""
-    top1, tau, _ = find_threshold(rows, masked, 1.5, entmax15_solve, CANDIDATES)
+def entmax15_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """1.5-entmax of each row and ``tau - max(x)/2``: ``p = relu((x - max)/2 - (tau - max/2))**2``.
+
+    ``k``: the top candidates examined first on long rows (default ``CANDIDATES``); the answer is exact either way.
+    """
+    top1, tau, _ = find_threshold(rows, masked, 1.5, entmax15_solve, k or CANDIDATES)
     return threshold_map(rows, top1, tau, 0.5, 2), tau
 
 
@@ -242,14 +246,28 @@ def sqrt_on_support(p: torch.Tensor) -> torch.Tensor:
     return support_power(p, 0.5)
 
 
-def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def entmax15(x: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tensor:
     """1.5-entmax along ``dim``: ``p = relu(x/2 - tau)**2`` with ``sum(p) = 1`` (exact threshold).
 
-    Same masking and dtype conventions as :func:`sparsemax`.
+    Same masking and dtype conventions as :func:`sparsemax`, and the same ``k`` (how many of the largest
+    entries the threshold search examines first; the output does not depend on it).
     Backward: ``dx = s*g - s*sum(s*g)/sum(s)`` with ``s = sqrt(p)``.
     """
     dim = check_input(x, dim)
-    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked)[0], sqrt_on_support)
+    k = check_k(k)
+    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked, k)[0], sqrt_on_support)
+
+
+def sparsemax_bisect(x: torch.Tensor, dim: int = -1, n_iter: int | None = None) -> torch.Tensor:
+    """Sparsemax found by the alpha-entmax solver: :func:`entmax_bisect` at ``alpha = 2``.
+
+    ``n_iter=None`` (exact) gives the values of :func:`sparsemax`, which it then computes; an integer runs
+    that many safeguarded Newton steps, as :func:`entmax_bisect`. The entmax package's ``sparsemax_bisect``.
+    """
+    if n_iter is None:
+        check_input(x, dim)
+        return sparsemax(x, dim)
+    return entmax_bisect(x, 2.0, dim, n_iter)
 
 
 def entmax_bisect(

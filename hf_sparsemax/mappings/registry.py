@@ -14,6 +14,11 @@ another rule) and the swap points it supports:
 - ``processor``: matched decoding, ``logits_processors(model)``;
 - ``head="cosine"``: the loss needs a cosine classification head.
 
+An entry whose slices do not lie on the probability simplex (``simplex=False``:
+``budget_bisect``, which sums to its budget) is a mapping only: no loss, no decoding,
+no metrics. Every entry also gets ``nn.Module`` forms (:mod:`hf_sparsemax.modules`),
+named ``class_name`` and ``class_name + "Loss"``.
+
 A swap point an entry does not support has a sentence in ``refusals`` saying
 why; that sentence is the ``ValueError`` a user sees. Attention names, loss
 names, processors, the fused head, ``SparseSettings``, recipes and the CLI all
@@ -31,6 +36,8 @@ import torch
 from .. import likelihood, losses, margin
 from .entmax import check_alpha, entmax15, entmax15_rows, entmax15_support, entmax_bisect, entmax_bisect_rows
 from .entmax import entmax_bisect_support
+from .budget import budget_bisect, budget_rows, check_budget
+from .normmax import normmax_bisect, normmax_rows
 from .perturb import DEFAULT_POINTS, MAX_CLASSES, check_perturb, perturb_log_rows, perturb_max
 from .sparse_softmax import check_top, sparse_softmax, sparse_softmax_rows, sparse_softmax_support
 from .sparsemax import sparsemax, sparsemax_rows, sparsemax_support
@@ -60,6 +67,26 @@ class EntmaxBisectOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", check_alpha(self.alpha))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormmaxBisectOptions:
+    """``alpha``: a float > 1 (any: alpha > 2 too), or (the mapping, attention) a tensor of them."""
+
+    alpha: float | torch.Tensor = 2.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", check_alpha(self.alpha))
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetBisectOptions:
+    """``budget``: a float > 0 (the sum of every slice), or a tensor of them."""
+
+    budget: float | torch.Tensor = 2.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", check_budget(self.budget))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +152,8 @@ class Mapping:
     options: type
     function: Callable[..., torch.Tensor]  # function(x, dim=-1, **options): the distribution, along dim
     rows: Callable[..., Any]  # row solver on [rows, n] float rows: rows(rows, masked, options) -> p (or log p)
-    loss: Callable[..., torch.Tensor]  # loss(logits, target, **options, ignore_index=, reduction=)
-    loss_rule: str  # "fenchel_young", "kept_logsumexp" (Su's sparse softmax), "nll" (-log p_t), "margin"
+    loss: Callable[..., torch.Tensor] | None  # loss(logits, target, **options, ignore_index=, reduction=), or None
+    loss_rule: str  # "fenchel_young", "kept_logsumexp" (Su's sparse softmax), "nll" (-log p_t), "margin", "none"
     alpha: float | str | None = None  # Fenchel-Young alpha, or the name of the option holding it
     support: Callable[..., Any] | None = None  # support(rows, masked, options) -> (index, p, tau) [rows, K]
     attention_options: tuple[str, ...] | None = None  # None: not an attention
@@ -136,10 +163,18 @@ class Mapping:
     tasks: tuple[str, ...] = TASKS
     max_classes: int | None = None  # largest label set / vocabulary the loss accepts (cost grows faster than n)
     refusals: dict[str, str] = dataclasses.field(default_factory=dict)
+    simplex: bool = True  # slices on the probability simplex: what losses, decoding and metrics need
+    module_name: str | None = None  # the nn.Module's class name, when not the CamelCase of ``name``
+
+    @property
+    def class_name(self) -> str:
+        """The name of the ``nn.Module`` form (``EntmaxBisect``; its loss module adds ``Loss``)."""
+        return self.module_name or "".join(part[:1].upper() + part[1:] for part in self.name.split("_"))
 
     @property
     def swap_points(self) -> tuple[str, ...]:
-        supported = {"attention": self.attention_options is not None, "loss": True, "fused": self.fused,
+        supported = {"attention": self.attention_options is not None, "loss": self.loss is not None,
+                     "fused": self.fused,
                      "processor": self.processor}
         return tuple(point for point in SWAP_POINTS if supported[point])
 
@@ -168,6 +203,8 @@ class Mapping:
 def _entries() -> dict[str, Mapping]:
     dense = ("{} has dense support (every class gets p > 0), so the fused head loss would cost the full "
              "[tokens, vocab] gradient it exists to avoid: drop fused (the unfused loss is exact)")
+    off_simplex = ("budget_bisect is no probability distribution (its slices sum to budget, each entry in [0, 1]), "
+                   "so it has no loss against one target class: use it as a layer, or sparsemax_loss (budget 1)")
     entries = [
         Mapping("sparsemax", SparsemaxOptions, sparsemax,
                 rows=lambda rows, masked, o: sparsemax_rows(rows, masked)[0],
@@ -184,6 +221,21 @@ def _entries() -> dict[str, Mapping]:
                 loss=losses.entmax_bisect_loss, loss_rule="fenchel_young", alpha="alpha",
                 support=lambda rows, masked, o: entmax_bisect_support(rows, o.alpha, masked),
                 attention_options=("alpha",), fused=True),
+        Mapping("normmax_bisect", NormmaxBisectOptions, normmax_bisect,
+                rows=lambda rows, masked, o: normmax_rows(rows, o.alpha, masked)[0],
+                loss=losses.normmax_bisect_loss, loss_rule="fenchel_young", attention_options=("alpha",),
+                refusals={"fused": "the fused head loss computes entmax (Tsallis) Fenchel-Young losses, not "
+                                   "normmax_bisect's: drop fused (the unfused normmax_bisect loss is exact)"}),
+        Mapping("budget_bisect", BudgetBisectOptions, budget_bisect,
+                rows=lambda rows, masked, o: budget_rows(rows, o.budget, masked),
+                loss=None, loss_rule="none", processor=False, simplex=False, refusals={
+                    "loss": off_simplex,
+                    "processor": "budget_bisect is no probability distribution (its slices sum to budget), so "
+                                 "there is nothing to sample from: decode with sparsemax (budget 1)",
+                    "attention": "budget_bisect weights sum to budget, not 1, so as attention they would scale "
+                                 "every output by budget: use sparsemax attention (budget 1)",
+                    "fused": off_simplex,  # the fused head is a loss too
+                }),
         Mapping("sparse_softmax", SparseSoftmaxOptions, sparse_softmax,
                 rows=lambda rows, masked, o: sparse_softmax_rows(rows, o.top_k, o.top_p, masked),
                 loss=losses.sparse_softmax_loss, loss_rule="kept_logsumexp",
@@ -204,7 +256,7 @@ def _entries() -> dict[str, Mapping]:
                 }),
         Mapping("am_softmax", AMSoftmaxOptions, margin.am_softmax,
                 rows=lambda rows, masked, o: torch.softmax(o.scale * rows, -1),
-                loss=margin.am_softmax_loss, loss_rule="margin", head="cosine",
+                loss=margin.am_softmax_loss, loss_rule="margin", head="cosine", module_name="AMSoftmax",
                 tasks=("sequence_classification",),
                 refusals={
                     "fused": "am_softmax is a sequence-classification loss on a cosine head; the fused head loss "
@@ -256,6 +308,8 @@ def loss_options(name: str, options: dict[str, Any] | None) -> LossOptions:
     entry = REGISTRY.get(name) if isinstance(name, str) else None
     if entry is None:
         raise ValueError(f"unknown loss {name!r}: choose one of {['cross_entropy', *names('loss')]}")
+    if entry.loss is None:
+        raise entry.refuse("loss")
     options = dict(options or {})
     fused = options.pop("fused", False)
     if not isinstance(fused, bool):
@@ -274,6 +328,9 @@ def mapping_function(mapping: str | Callable, **options) -> Callable[[torch.Tens
             raise ValueError(f"options {sorted(options)} are for a mapping given by name; bind them into the callable")
         return mapping
     entry = get(mapping)
+    if not entry.simplex:
+        raise ValueError(f"{entry.name!r} gives no probability distribution, which losses, decoding and metrics "
+                         "need: " + entry.refusals.get("processor", "choose another mapping"))
     return entry.distribution(entry.parse(options))
 
 

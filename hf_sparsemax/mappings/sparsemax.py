@@ -11,6 +11,8 @@ Jacobian on the support ``S``: ``I - 1 1^T / |S|``, so
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ._core import SupportMapping, check_input, find_threshold, threshold_map, threshold_support
@@ -33,9 +35,12 @@ def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
     return tau, size
 
 
-def sparsemax_rows(rows: torch.Tensor, masked: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``."""
-    top1, tau, _ = find_threshold(rows, masked, 2.0, sparsemax_solve, CANDIDATES)
+def sparsemax_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``.
+
+    ``k``: the top candidates examined first on long rows (default ``CANDIDATES``); the answer is exact either way.
+    """
+    top1, tau, _ = find_threshold(rows, masked, 2.0, sparsemax_solve, k or CANDIDATES)
     return threshold_map(rows, top1, tau), tau
 
 
@@ -49,16 +54,28 @@ def support_indicator(p: torch.Tensor) -> torch.Tensor:
     return torch.sign(p)  # p >= 0: the indicator of p > 0 in one float pass
 
 
-def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def check_k(k) -> int | None:
+    """``k`` of sparsemax / entmax15 (the entmax package's partial-sort size): None or a positive integer."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+        raise ValueError(f"k must be None or a positive integer, got {k!r}")
+    return None if k is None else int(k)
+
+
+def sparsemax(x: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tensor:
     """Sparsemax along ``dim``: the Euclidean projection of ``x`` onto the simplex.
 
     ``p = relu(x - tau)`` with ``sum(p) = 1``; exact zeros outside the support.
     Entries that are ``-inf`` or at most ``finfo(x.dtype).min`` get 0; a slice
     with no other entry maps to zeros. Half-precision input is computed in
     float32. Backward: ``dx = (g - mean_S(g)) * [p > 0]``.
+
+    ``k`` (as in the entmax package) is how many of the largest entries the threshold search examines first;
+    rows whose support is larger are searched again with more, so the output is the same exact sparsemax
+    for every ``k`` (short rows are solved over the whole row and ignore it).
     """
     dim = check_input(x, dim)
-    return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked)[0], support_indicator)
+    k = check_k(k)
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked, k)[0], support_indicator)
 
 
 SOLVERS.update(sparsemax_solve=sparsemax_solve)  # for the compiled path's exact fallback
