@@ -125,5 +125,23 @@ def _generate() -> tuple[dict[str, type], dict[str, type]]:
 
 
 MAPPING_MODULES, LOSS_MODULES = _generate()  # registered name -> module class
-globals().update({cls.__name__: cls for cls in (*MAPPING_MODULES.values(), *LOSS_MODULES.values())})
+
+# Named one by one (not through globals()), so that editors, type checkers and the API reference see them;
+# tests/test_entmax_api.py checks that these are exactly the generated classes.
+Sparsemax = MAPPING_MODULES["sparsemax"]
+Entmax15 = MAPPING_MODULES["entmax15"]
+EntmaxBisect = MAPPING_MODULES["entmax_bisect"]
+SparsemaxBisect = MAPPING_MODULES["sparsemax_bisect"]
+NormmaxBisect = MAPPING_MODULES["normmax_bisect"]
+BudgetBisect = MAPPING_MODULES["budget_bisect"]
+SparseSoftmax = MAPPING_MODULES["sparse_softmax"]
+TaylorSoftmax = MAPPING_MODULES["taylor_softmax"]
+PerturbMax = MAPPING_MODULES["perturb_max"]
+AMSoftmax = MAPPING_MODULES["am_softmax"]
+NormmaxBisectLoss = LOSS_MODULES["normmax_bisect"]
+SparsemaxBisectLoss = LOSS_MODULES["sparsemax_bisect"]
+TaylorSoftmaxLoss = LOSS_MODULES["taylor_softmax"]
+PerturbMaxLoss = LOSS_MODULES["perturb_max"]
+AMSoftmaxLoss = LOSS_MODULES["am_softmax"]
+
 __all__ = sorted(cls.__name__ for cls in (*MAPPING_MODULES.values(), *LOSS_MODULES.values()))

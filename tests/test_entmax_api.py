@@ -116,6 +116,18 @@ def test_the_docs_page_maps_every_name():
         assert re.search(rf"^\|.*`{re.escape(name)}[(`]", text, re.M), name
 
 
+def test_the_readme_table_names_every_function_and_module():
+    """README.md's short "Coming from entmax" table: every public function / class of entmax in some row, and
+    each row's hf_sparsemax side names real attributes of the package (the tests above check their values)."""
+    text = (DOCS.parents[1] / "README.md").read_text()
+    section = text[text.index("## Coming from entmax"):text.index("## Read next")]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    entmax_side = {name for row in rows for name in re.findall(r"`(\w+)`", row[0])}
+    assert entmax_side == set(SHIM)
+    for row in rows:
+        assert all(hasattr(hs, name) for name in re.findall(r"`hs\.(\w+)", row[1]))
+
+
 X = torch.randn(4, 7, generator=torch.Generator().manual_seed(0), dtype=F64) * 2
 TARGET = torch.tensor([0, 6, 3, 2])
 SHIM_CALLS = [
@@ -365,7 +377,9 @@ def test_every_mapping_and_loss_has_a_module_form_at_the_top_level():
     assert set(modules.MAPPING_MODULES) == set(registry.REGISTRY) | {"sparsemax_bisect"} == set(MODULE_ARGS)
     assert set(modules.LOSS_MODULES) == set(registry.names("loss")) | {"sparsemax_bisect"} == set(LOSS_ARGS)
     for cls in (*modules.MAPPING_MODULES.values(), *modules.LOSS_MODULES.values()):
-        assert cls.__name__ in hs.__all__ and getattr(hs, cls.__name__) is cls and issubclass(cls, nn.Module)
+        home = modules if cls.__module__ == modules.__name__ else hf_sparsemax.losses  # the API's loss classes
+        assert cls.__name__ in hs.__all__ and getattr(hs, cls.__name__) is getattr(home, cls.__name__) is cls
+        assert issubclass(cls, nn.Module)
     for name in ("SparsemaxLoss", "Entmax15Loss", "EntmaxBisectLoss", "SparseSoftmaxLoss"):  # the API's classes
         assert getattr(hs, name) is getattr(hf_sparsemax.losses, name)
 
