@@ -14,6 +14,10 @@ another rule) and the swap points it supports:
 - ``processor``: matched decoding, ``logits_processors(model)``;
 - ``head="cosine"``: the loss needs a cosine classification head.
 
+``keeps_argmax`` says whether ``argmax(p) == argmax(x)`` always holds (Taylor
+softmax's polynomial is not monotone): what a serving engine needs to know to
+order its sampling steps.
+
 A swap point an entry does not support has a sentence in ``refusals`` saying
 why; that sentence is the ``ValueError`` a user sees. Attention names, loss
 names, processors, the fused head, ``SparseSettings``, recipes and the CLI all
@@ -135,6 +139,7 @@ class Mapping:
     head: str | None = None
     tasks: tuple[str, ...] = TASKS
     max_classes: int | None = None  # largest label set / vocabulary the loss accepts (cost grows faster than n)
+    keeps_argmax: bool = True  # argmax(p) == argmax(x) for every x (a serving engine may skip it for greedy decoding)
     refusals: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -192,7 +197,8 @@ def _entries() -> dict[str, Mapping]:
         Mapping("taylor_softmax", TaylorSoftmaxOptions, taylor_softmax,
                 rows=lambda rows, masked, o: taylor_rows(rows, o.order, masked)[0],
                 loss=likelihood.taylor_softmax_loss, loss_rule="nll",
-                attention_options=("order",), refusals={"fused": dense.format("taylor_softmax")}),
+                attention_options=("order",), keeps_argmax=False,  # f(t) = 1 + t + t^2/2 + ... is not monotone
+                refusals={"fused": dense.format("taylor_softmax")}),
         Mapping("perturb_max", PerturbMaxOptions, perturb_max,
                 rows=lambda rows, masked, o: perturb_log_rows(rows, o.noise, o.points, masked).exp(),
                 loss=likelihood.perturb_max_loss, loss_rule="nll", max_classes=MAX_CLASSES,
