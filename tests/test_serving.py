@@ -144,3 +144,60 @@ def test_the_mappings_that_say_so_keep_the_argmax(seed, scale):
     for choice in CHOICES:
         if choice.keeps_argmax:
             assert torch.equal(choice.mapping()(x).argmax(-1), x.argmax(-1)), choice
+
+
+def test_requests_the_engine_samples_itself_are_left_to_it():
+    """A top-k / top-p folder's generation_config.json gives the engine the trained top_k / top_p: no double cut."""
+    from hf_sparsemax.serving.decoding import engine_samples
+
+    both = Choice.make("sparse_softmax", {"top_k": 5, "top_p": 0.9})
+    assert engine_samples(both, 5, 0.9) and not engine_samples(both, 0, 1.0) and not engine_samples(both, 5, 0.8)
+    assert engine_samples(Choice.make("sparse_softmax", {"top_p": 0.9}), 0, 0.9)
+    assert engine_samples(Choice.make("sparse_softmax", {"top_p": 0.9}), -1, 0.9)
+    assert not engine_samples(Choice.make("sparsemax"), 0, 1.0) and not engine_samples(None, 0, 1.0)
+
+
+def test_a_top_k_top_p_folder_tells_engines_its_sampling(tmp_path):
+    import json
+
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    before = model.generation_config.to_dict()
+    hs.patch_model(model, loss="sparse_softmax", loss_options={"top_p": 0.8})
+    model.save_pretrained(tmp_path)  # a valid generation config (do_sample=True with top_k / top_p)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert (saved["top_k"], saved["top_p"], saved["do_sample"]) == (0, 0.8, True)  # 0: transformers' 50 is off
+    # plain transformers' warpers from that file sample the trained distribution
+    config = GenerationConfig.from_pretrained(tmp_path)
+    warpers = model._get_logits_processor(config, input_ids_seq_length=1, encoder_input_ids=torch.zeros(3, 1).long(),
+                                          prefix_allowed_tokens_fn=None, logits_processor=[])
+    x = logits(3)[1:]
+    torch.testing.assert_close(warpers(None, x.clone()).softmax(-1), hs.sparse_softmax(x, top_p=0.8), rtol=0, atol=1e-6)
+    hs.patch_model(model, loss="sparsemax")  # another loss: the fields are given back
+    after = model.generation_config.to_dict()
+    assert [after.get(k) for k in ("top_k", "top_p", "do_sample")] == [before.get(k) for k in ("top_k", "top_p",
+                                                                                                "do_sample")]
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(loss="sparse_softmax", loss_options={"top_k": 5}), "carries `top_k` / `top_p`"),
+    (dict(loss="entmax15"), "sample softmax, not the `entmax15` distribution"),
+    (dict(attn="sparsemax", loss="sparsemax"), "Their attention kernels compute softmax"),
+])
+def test_a_saved_folder_has_a_model_card_saying_how_to_serve_it(tmp_path, kwargs, says):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    hs.patch_model(model, **kwargs).save_pretrained(tmp_path / "a")
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- hf_sparsemax\n") and says in card
+    own = tmp_path / "b" / "README.md"
+    own.parent.mkdir()
+    own.write_text("my own card\n")
+    model.save_pretrained(own.parent)
+    assert own.read_text() == "my own card\n"  # a card of the user's stays
+    hs.unpatch_model(model).save_pretrained(tmp_path / "c")
+    assert not (tmp_path / "c" / "README.md").exists()

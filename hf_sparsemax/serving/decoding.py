@@ -128,6 +128,21 @@ def request_choice(default: Choice | None, extra_args: Mapping[str, Any] | None)
     return Choice.make(name, options)
 
 
+def engine_samples(choice: Choice | None, top_k: int | None, top_p: float | None) -> bool:
+    """Whether the engine's own top-k / top-p (``top_k`` <= 0: off, ``top_p`` 1: off) already sample ``choice``.
+
+    True for a top-k / top-p sparse softmax whose options are the request's: a folder trained with it
+    carries them in ``generation_config.json``, which engines take as default sampling parameters. Mapping
+    the logits as well would cut the distribution twice (top-p of an already top-p-cut distribution keeps
+    fewer tokens), so the step leaves those requests to the engine.
+    """
+    if choice is None or choice.loss != "sparse_softmax":
+        return False
+    options = dict(choice.options)
+    return ((options.get("top_k") or 0) == max(top_k or 0, 0)
+            and float(options.get("top_p") or 1.0) == float(1.0 if top_p is None else top_p))
+
+
 def check_extra_args(extra_args: Mapping[str, Any] | None) -> None:
     """Validate a request's hf_sparsemax arguments without the folder (what a server checks on admission)."""
     extra = dict(extra_args or {})

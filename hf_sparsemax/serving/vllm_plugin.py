@@ -9,7 +9,8 @@ Installed beside vLLM, hf_sparsemax registers two vLLM plugins (entry points in 
 - ``vllm.logits_processors`` -> :class:`SparseDecoding` and :class:`TaylorDecoding`: every request
   samples from the folder's trained distribution (:mod:`hf_sparsemax.serving.decoding`), with no flag;
   a request changes or drops it with ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP). Folders
-  without hf_sparsemax settings are not touched.
+  without hf_sparsemax settings are not touched, nor are requests whose own ``top_k`` / ``top_p`` already
+  are the trained sparse softmax (a top-k / top-p folder's ``generation_config.json`` sets them).
 
 vLLM has two logits-processor interfaces that read the same entry-point group: V1
 (``vllm.v1.sample.logits_processor.LogitsProcessor``, the model runner on CPU) and Model Runner V2
@@ -39,7 +40,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
 from ..load_marks import METHOD
 from ..settings import SparseSettings
-from .decoding import BatchDecoding, Choice, check_extra_args, folder_choice, refuse_sparse_attention, request_choice
+from .decoding import BatchDecoding, Choice, check_extra_args, engine_samples, folder_choice, refuse_sparse_attention
+from .decoding import request_choice
 
 
 class SparseFolderConfig(QuantizationConfig):
@@ -110,7 +112,9 @@ class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
         check_extra_args(sampling_params.extra_args)
 
     def choice(self, sampling_params) -> Choice | None:
-        return request_choice(self.default, sampling_params.extra_args)
+        """The request's distribution to map, or None (opted out, or vLLM's own top-k / top-p sample it)."""
+        choice = request_choice(self.default, sampling_params.extra_args)
+        return None if engine_samples(choice, sampling_params.top_k, sampling_params.top_p) else choice
 
     # ---- V1 --------------------------------------------------------------------------------------------------
     def is_argmax_invariant(self) -> bool:
