@@ -201,3 +201,35 @@ def test_a_saved_folder_has_a_model_card_saying_how_to_serve_it(tmp_path, kwargs
     assert own.read_text() == "my own card\n"  # a card of the user's stays
     hs.unpatch_model(model).save_pretrained(tmp_path / "c")
     assert not (tmp_path / "c" / "README.md").exists()
+
+
+def test_hf_sparsemax_serve_prepares_a_trained_variant_for_vllm_on_loopback(tmp_path, capsys):
+    """`hf-sparsemax serve --dry-run`: the LoRA variant merged into a folder vLLM loads, and the command."""
+    from test_recipes import CHARS, char_tokenizer, run, write_recipe
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=2)).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    recipe = write_recipe(tmp_path, str(folder), variants={"topk": {"loss": "sparse_softmax",
+                                                                    "loss_options": {"top_k": 5}},
+                                                           "attention": {"attn": "entmax15"}},
+                          training={"max_steps": 1, "per_device_train_batch_size": 4, "disable_tqdm": True})
+    out = tmp_path / "runs"
+    assert run("train", recipe, "--variant", "topk", "--output", out) == 0
+    capsys.readouterr()
+    assert run("serve", recipe, "--variant", "topk", "--output", out, "--dry-run", "--", "--max-model-len", "64") == 0
+    command = capsys.readouterr().out.strip().splitlines()[-1].split()
+    served = out / "topk" / "serve"
+    assert command[1:] == ["serve", str(served), "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "64"]
+    model = AutoModelForCausalLM.from_pretrained(served)  # merged, patched as trained
+    assert model.config.hf_sparsemax["loss_options"] == {"top_k": 5} and "lora" not in str(type(model)).lower()
+    assert (served / "README.md").exists() and (served / "tokenizer.json").exists()
+    assert run("serve", recipe, "--variant", "topk", "--output", out, "--dry-run", "--", "--host", "0.0.0.0") == 2
+    assert run("train", recipe, "--variant", "attention", "--output", out) == 0
+    capsys.readouterr()
+    assert run("serve", recipe, "--variant", "attention", "--output", out, "--dry-run") == 2
+    assert "vLLM's attention kernels compute softmax" in capsys.readouterr().err
