@@ -164,7 +164,8 @@ def test_a_folder_with_sparse_attention_is_refused_in_one_line(folders):
 def run_in_subprocess(code, *args):
     done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]  # vLLM logs there too
+    return json.loads(line[len("RESULT "):])
 
 
 def test_an_unpatched_folder_is_untouched(folders):
@@ -184,7 +185,7 @@ def test_an_unpatched_folder_is_untouched(folders):
         "        top = list(returned)\n"
         "        got = torch.tensor([returned[t].logprob for t in top], dtype=torch.float64)\n"
         "        worst = max(worst, float((got - expected[top]).abs().max()))\n"
-        "    print(json.dumps({'worst': worst}))\n"
+        "    print('RESULT', json.dumps({'worst': worst}), flush=True)\n"
     )
     assert run_in_subprocess(code, folders / "plain")["worst"] < 1e-4
 

@@ -194,6 +194,7 @@ class BatchDecoding:
             for slot, (choice, _) in sorted(self.slots.items()):
                 grouped.setdefault(choice, []).append(slot)
             self._groups = list(grouped.items())
+            self._mappings = {choice: self._mappings[choice] for choice in grouped}  # none kept for gone requests
             self._index = {}
             self._slot_temperatures = np.ones(max(self.slots, default=0) + 1)
             for slot, (_, temperature) in self.slots.items():
