@@ -231,3 +231,13 @@ def test_hf_sparsemax_serve_prepares_a_trained_variant_for_vllm_on_loopback(tmp_
     capsys.readouterr()
     assert run("serve", recipe, "--variant", "attention", "--output", out, "--dry-run") == 2
     assert "vLLM's attention kernels compute softmax" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choice", CHOICES + [Choice.make("sparse_softmax", {"top_k": 7, "top_p": 0.5})], ids=str)
+def test_the_support_path_gives_the_mapping_s_log_probabilities(choice):
+    x = logits(6, seed=3)
+    x[2, 5:9] = x[2, 4]  # ties at the top
+    expected = choice.mapping()(x).log()
+    got = choice.log_mapping()(x.clone())
+    assert torch.equal(got == float("-inf"), expected == float("-inf"))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

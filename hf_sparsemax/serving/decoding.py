@@ -35,6 +35,7 @@ import torch
 
 from ..loss_names import loss_mapping
 from ..mappings import registry
+from ..mappings._core import masked_below
 from ..settings import SparseSettings
 
 KEY = "hf_sparsemax"  # the extra argument naming the loss ("off": the engine's softmax)
@@ -74,6 +75,23 @@ class Choice:
 
     def mapping(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return loss_mapping(self.loss, **dict(self.options))
+
+    def log_mapping(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> log mapping(x)`` along the last dim of ``[rows, n]`` (``-inf`` outside the support).
+
+        A sparse mapping with a support routine in the registry (sparsemax, entmax, top-k sparse softmax)
+        computes its support only and scatters ``log p`` into a row of ``-inf``: the same values as
+        ``mapping(x).log()`` without a pass over the vocabulary for ``p`` and another for ``log``.
+        """
+        entry, options, _ = registry.loss_options(self.loss, dict(self.options))
+        if entry.support is None or (self.loss == "sparse_softmax" and options.top_k is None):
+            mapping = self.mapping()
+            return lambda x: mapping(x).log_()
+
+        def log_mapping(x: torch.Tensor) -> torch.Tensor:
+            index, p = entry.support(x, masked_below(x.dtype), options)[:2]
+            return torch.full_like(x, float("-inf")).scatter_(-1, index, p.to(x.dtype).log_())
+        return log_mapping
 
     def __str__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options)
@@ -163,7 +181,7 @@ class BatchDecoding:
             self.clear(slot)
             return
         if choice not in self._mappings:
-            self._mappings[choice] = choice.mapping()
+            self._mappings[choice] = choice.log_mapping()
         self.slots[slot] = (choice, float(temperature))
         self._groups = None
 
@@ -213,10 +231,10 @@ class BatchDecoding:
             x = logits if whole else logits[rows]
             mapping = self._mappings[choice]
             if scaled:
-                out = mapping(x).log_()
+                out = mapping(x)
             else:
                 temperature = self._temperatures(choice, slots, rows, slot_of_row, x)
-                out = mapping(x / temperature).log_().mul_(temperature)
+                out = mapping(x / temperature).mul_(temperature)
             if whole:
                 logits.copy_(out)
             else:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -107,7 +108,7 @@ class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
     keeps_argmax = True  # which choices this class maps: those that keep the argmax, or the others
 
     def __init__(self, vllm_config, *args) -> None:
-        self.v2 = len(args) == 1  # V2: (vllm_config, req_states); V1: (vllm_config, device, is_pin_memory)
+        """V1 calls ``(vllm_config, device, is_pin_memory)``, V2 ``(vllm_config, req_states)``: neither is needed."""
         self.default = folder_choice(vllm_config.model_config.hf_config)
         self.batch = BatchDecoding(handles=lambda choice: choice.keeps_argmax == self.keeps_argmax)
 
@@ -150,9 +151,7 @@ class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
         return self.batch.apply(logits, slot_of_row=self._slot_of_row(ctx))
 
     @staticmethod
-    def _slot_of_row(ctx):
-        import numpy as np
-
+    def _slot_of_row(ctx) -> np.ndarray:
         if ctx.expanded_idx_mapping.shape[0] == len(ctx.idx_mapping_np):
             return np.asarray(ctx.idx_mapping_np)
         return ctx.expanded_idx_mapping.cpu().numpy()  # several rows per request (speculative decoding)
