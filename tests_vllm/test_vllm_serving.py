@@ -261,3 +261,23 @@ def test_model_runner_v2_loads_the_plugins_and_maps_rows_through_its_slots(folde
     torch.testing.assert_close(sampled[0], hs.taylor_softmax(logits[0] / 0.7), rtol=0, atol=1e-6)
     torch.testing.assert_close(sampled[1], hs.sparsemax(logits[1] / 0.5), rtol=0, atol=1e-6)
     assert torch.equal(out[2], logits[2])
+
+
+def test_without_the_plugin_vllm_refuses_the_folder_unless_told_to_drop_the_entry(folders):
+    """VLLM_PLUGINS="" loads no general plugin (as if hf_sparsemax were not installed): the folder's
+    quantization_config is refused, and --hf-overrides '{"quantization_config": null}' drops it."""
+    code = (
+        "import json, sys\nfrom vllm.engine.arg_utils import EngineArgs\nresults = []\n"
+        "for overrides in ({}, {'quantization_config': None}):\n"
+        "    try:\n"
+        "        EngineArgs(model=sys.argv[1], dtype='float32', hf_overrides=overrides).create_model_config()\n"
+        "        results.append('loaded')\n"
+        "    except Exception as error:\n"
+        "        results.append(str(error))\n"
+        "print('RESULT', json.dumps(results), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(folders / "sparsemax")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_PLUGINS": ""})
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    refused, dropped = json.loads(line[len("RESULT "):])
+    assert "Unknown quantization method: hf_sparsemax" in refused and dropped == "loaded"
