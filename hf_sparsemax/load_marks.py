@@ -23,6 +23,7 @@ METHOD = "hf_sparsemax"  # the quant_method naming the load hook
 NOTE = "not a quantization: transformers' load hook that hf_sparsemax uses to restore its sparse attention and loss"
 TAG = "hf_sparsemax"
 FROM_MODEL_CONFIG = "_hf_sparsemax_from_model_config"  # on the model: its generation config's flag before mark
+SAMPLING_BEFORE = "_hf_sparsemax_sampling_before"  # on the model: generation config fields mark set (for clear)
 
 
 class SparseLoadConfig(QuantizationConfigMixin):
@@ -87,7 +88,20 @@ def mark(model, settings: SparseSettings) -> None:
             generation.hf_sparsemax = {"loss": settings.loss, "loss_options": options, "decoding": note}
             vars(model).setdefault(FROM_MODEL_CONFIG, generation._from_model_config)  # for clear
             generation._from_model_config = False  # else transformers drops the entry when loading
+            if settings.loss == "sparse_softmax":
+                set_engine_sampling(model, generation, settings.loss_options)
     model.add_model_tags(tags)
+
+
+def set_engine_sampling(model, generation, options: dict) -> None:
+    """``top_k`` / ``top_p`` / ``do_sample=True`` in the generation config: what engines without hf_sparsemax
+    (vLLM, TGI, plain ``generate``) read as default sampling, and with them sample a top-k / top-p sparse
+    softmax exactly. ``top_k=0`` when only ``top_p`` was trained (transformers would fill in 50);
+    ``do_sample=True`` keeps the config valid for ``save_pretrained``."""
+    vars(model)[SAMPLING_BEFORE] = {name: getattr(generation, name, None) for name in ("top_k", "top_p", "do_sample")}
+    generation.top_k = options.get("top_k") or 0
+    generation.top_p = options.get("top_p") or 1.0
+    generation.do_sample = True
 
 
 def is_load_hook_entry(entry) -> bool:
@@ -105,6 +119,9 @@ def clear(model) -> None:
     generation = getattr(model, "generation_config", None)
     if generation is not None and "hf_sparsemax" in vars(generation):
         del generation.hf_sparsemax
+    for name, value in vars(model).pop(SAMPLING_BEFORE, {}).items():
+        if generation is not None:
+            setattr(generation, name, value)
     from_model_config = vars(model).pop(FROM_MODEL_CONFIG, None)
     if generation is not None and from_model_config is not None:
         generation._from_model_config = from_model_config

@@ -12,10 +12,19 @@ every Trainer checkpoint carry it):
   ``ValueError: Specified attn_implementation="entmax15" is not supported``.
 - ``quantization_config = {"quant_method": "hf_sparsemax", ...}``: the load
   hook below.
+- For the top-k / top-p sparse softmax loss, ``top_k`` / ``top_p`` / ``do_sample=True`` in the
+  generation config: engines without hf_sparsemax (vLLM, TGI, plain ``generate``) read them as their
+  default sampling and so sample the trained distribution.
 - For a sparse loss, ``generation_config.hf_sparsemax`` (the same
   ``decoding`` sentence, kept by ``generation_config.json``) and model tags
   (``hf_sparsemax``, ``sparse-loss-<name>``, ``sparse-attention-<name>``), which
   transformers, Trainer and peft write into the model cards they create.
+
+vLLM: with hf_sparsemax installed in its environment, the ``quantization_config`` entry is a vLLM
+quantization method that quantizes nothing (:mod:`hf_sparsemax.serving.vllm_plugin`), and vLLM samples
+the trained loss; without it vLLM refuses the folder (``Unknown quantization method: hf_sparsemax``)
+rather than serve it as a softmax model. ``--hf-overrides '{"quantization_config": null}'`` serves it
+anyway, with the generation config's sampling.
 
 The load hook. transformers 5.23 runs plugin code around weight loading for
 one config key only, ``quantization_config``, dispatched through its public

@@ -116,10 +116,11 @@ def test_greedy_beam_padding_cache_and_streaming(capsys):
     ids = torch.randint(3, VOCAB, (3, 6))
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0  # left padding
-    greedy = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5)
+    assert model.generation_config.do_sample  # what engines read (see test_reload): greedy is asked for
+    greedy = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     plain = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(greedy, plain)  # the mapping keeps the argmax
-    beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3,
+    beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False,
                            output_scores=True, return_dict_in_generate=True)
     assert torch.isfinite(beams.sequences_scores).all()
     results = []

@@ -116,13 +116,14 @@ CASES = {
     "matched_generate": (llama, dict(loss="sparse_softmax", loss_options={"top_k": 5}),
                          lambda m: "generate" in vars(m)),
     "token_outputs": (llama, dict(loss="sparsemax"), lambda m: trl_support.HOOK_ATTR in vars(m)),
+    "model_card": (llama, dict(loss="sparsemax"), lambda m: "save_pretrained" in vars(m)),
 }
 BY_NAME = {swap.name: swap for swap in SWAPS}
 
 
 def test_every_swap_point_has_one_protocol():
     assert [swap.name for swap in SWAPS] == ["attention", "fused_forward", "cosine_head", "loss", "matched_generate",
-                                            "token_outputs"]
+                                            "token_outputs", "model_card"]
     assert set(CASES) == set(BY_NAME)
     for swap in SWAPS:
         assert isinstance(swap, Swap)

@@ -6,6 +6,7 @@
     hf-sparsemax evaluate default --variant entmax15_loss  # held-out metrics of runs/default/entmax15_loss
     hf-sparsemax generate default --variant entmax15_loss --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
+    hf-sparsemax serve default --variant entmax15_loss    # vLLM's OpenAI server on 127.0.0.1:8000 (needs vLLM)
 
 A recipe is a YAML file (or the name of a recipe shipped with the package:
 default, classify). Override any field with --set PATH=VALUE (repeatable): PATH is the
@@ -152,6 +153,16 @@ def recipe_command(args) -> int:
     return 0
 
 
+def serve_cli(args) -> int:
+    from .recipes import load_recipe
+    from .serve import serve_command
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    command = serve_command(recipe, args.variant, args.output, args.port, args.vllm_args, args.dry_run)
+    print(" ".join(command))  # --dry-run: the command; else not reached (the server replaced this process)
+    return 0
+
+
 def headline(out: dict) -> str:
     if "macro_f1" in out:
         return f"accuracy {out['accuracy']:.3f}, macro-F1 {out['macro_f1']:.3f}"
@@ -192,10 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--prompt", action="append", required=True)
     report.add_argument("--max-new-tokens", type=int, default=32)
     report.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    serve = commands.add_parser("serve", help="serve a trained variant with vLLM's OpenAI-compatible server",
+                                description="Serve a trained causal-LM variant with `vllm serve` on 127.0.0.1 "
+                                            "(vLLM and hf_sparsemax in one environment); arguments after -- go to "
+                                            "vllm serve.")
+    serve.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    serve.add_argument("--output", help="results folder the variant was trained into (default runs/<recipe name>)")
+    serve.add_argument("--variant", help="which of the recipe's variants (default: the first)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dry-run", action="store_true", help="prepare the folder and print the vllm command")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args = argv[argv.index("--") + 1:] if "--" in argv else []  # serve: what follows -- goes to vllm serve
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.vllm_args = vllm_args
     try:
         if args.command in RECIPE_COMMANDS:
             return recipe_command(args)
+        if args.command == "serve":
+            return serve_cli(args)
         return decoding_report_command(args)
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"hf-sparsemax: error: {' '.join(str(error).split())}", file=sys.stderr)

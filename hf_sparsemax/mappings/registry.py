@@ -19,6 +19,10 @@ An entry whose slices do not lie on the probability simplex (``simplex=False``:
 no metrics. Every entry also gets ``nn.Module`` forms (:mod:`hf_sparsemax.modules`),
 named ``class_name`` and ``class_name + "Loss"``.
 
+``keeps_argmax`` says whether ``argmax(p) == argmax(x)`` always holds (Taylor
+softmax's polynomial is not monotone): what a serving engine needs to know to
+order its sampling steps.
+
 A swap point an entry does not support has a sentence in ``refusals`` saying
 why; that sentence is the ``ValueError`` a user sees. Attention names, loss
 names, processors, the fused head, ``SparseSettings``, recipes and the CLI all
@@ -162,6 +166,7 @@ class Mapping:
     head: str | None = None
     tasks: tuple[str, ...] = TASKS
     max_classes: int | None = None  # largest label set / vocabulary the loss accepts (cost grows faster than n)
+    keeps_argmax: bool = True  # argmax(p) == argmax(x) for every x (a serving engine may skip it for greedy decoding)
     refusals: dict[str, str] = dataclasses.field(default_factory=dict)
     simplex: bool = True  # slices on the probability simplex: what losses, decoding and metrics need
     module_name: str | None = None  # the nn.Module's class name, when not the CamelCase of ``name``
@@ -244,7 +249,8 @@ def _entries() -> dict[str, Mapping]:
         Mapping("taylor_softmax", TaylorSoftmaxOptions, taylor_softmax,
                 rows=lambda rows, masked, o: taylor_rows(rows, o.order, masked)[0],
                 loss=likelihood.taylor_softmax_loss, loss_rule="nll",
-                attention_options=("order",), refusals={"fused": dense.format("taylor_softmax")}),
+                attention_options=("order",), keeps_argmax=False,  # f(t) = 1 + t + t^2/2 + ... is not monotone
+                refusals={"fused": dense.format("taylor_softmax")}),
         Mapping("perturb_max", PerturbMaxOptions, perturb_max,
                 rows=lambda rows, masked, o: perturb_log_rows(rows, o.noise, o.points, masked).exp(),
                 loss=likelihood.perturb_max_loss, loss_rule="nll", max_classes=MAX_CLASSES,

@@ -11,6 +11,7 @@ from .cosine_head import CosineHeadSwap
 from .fused_forward import FusedForwardSwap
 from .generate_swap import MatchedGenerateSwap
 from .loss_swap import LossSwap
+from .model_card_swap import ModelCardSwap
 from .protocol import PatchRequest, Swap
 from .token_outputs import TokenOutputsSwap
 
@@ -20,8 +21,9 @@ COSINE_HEAD = CosineHeadSwap()
 LOSS = LossSwap()
 MATCHED_GENERATE = MatchedGenerateSwap()
 TOKEN_OUTPUTS = TokenOutputsSwap()
+MODEL_CARD = ModelCardSwap()
 
-SWAPS: tuple[Swap, ...] = (ATTENTION, FUSED_FORWARD, COSINE_HEAD, LOSS, MATCHED_GENERATE, TOKEN_OUTPUTS)
+SWAPS: tuple[Swap, ...] = (ATTENTION, FUSED_FORWARD, COSINE_HEAD, LOSS, MATCHED_GENERATE, TOKEN_OUTPUTS, MODEL_CARD)
 
 __all__ = ["PatchRequest", "Swap", "SWAPS", "ATTENTION", "FUSED_FORWARD", "COSINE_HEAD", "LOSS", "MATCHED_GENERATE",
-           "TOKEN_OUTPUTS"]
+           "TOKEN_OUTPUTS", "MODEL_CARD"]

@@ -26,6 +26,20 @@ from .protocol import PatchRequest
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
 
 
+def set_attention(inner, name: str) -> None:
+    """``inner.set_attn_implementation(name)``, reaching every sub-model.
+
+    transformers 5.19 (newer releases do this themselves) skips a sub-model whose config is a copy of the
+    same class as the model's (T5's encoder and decoder stacks): those would keep their old attention.
+    """
+    from transformers import PreTrainedModel
+
+    inner.set_attn_implementation(name)
+    for module in inner.modules():
+        if module is not inner and isinstance(module, PreTrainedModel) and module.config._attn_implementation != name:
+            module.set_attn_implementation(name)
+
+
 class AttentionPlan(NamedTuple):
     """A validated attention swap.
 
@@ -96,7 +110,7 @@ class AttentionSwap:
             if count is not None:
                 device = next(module.parameters(), torch.empty(0)).device
                 module.add_module(ALPHA_ATTR, kept if kept is not None else LearnedAlpha(count, plan.options.alpha).to(device))
-        inner.set_attn_implementation(plan.options.mapping)
+        set_attention(inner, plan.options.mapping)
         if plan.load_saved:
             load_learned_alpha(inner)
         if model is not inner and plan.options.learn_alpha:
@@ -109,6 +123,6 @@ class AttentionSwap:
             module._modules.pop(ALPHA_ATTR, None)
         original = vars(inner).pop(ORIGINAL_ATTR, None)
         if inner.config._attn_implementation in ATTENTION_MAPPINGS:
-            inner.set_attn_implementation(original or ("sdpa" if getattr(inner, "_supports_sdpa", False) else "eager"))
+            set_attention(inner, original or ("sdpa" if getattr(inner, "_supports_sdpa", False) else "eager"))
         if model is not inner:
             release_alpha_from_adapter(model)

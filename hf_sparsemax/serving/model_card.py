@@ -1,0 +1,69 @@
+"""The README.md (model card) a patched model's ``save_pretrained`` writes: how to serve the folder as trained.
+
+Written only where the folder has no README.md or has one this module wrote (its first comment line says
+so); a card of the user's own is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..load_marks import decoding_note
+from ..settings import SparseSettings
+
+MARK = "<!-- hf_sparsemax model card: rewritten on each save_pretrained; delete this line to keep your edits -->"
+
+
+def card_text(settings: SparseSettings) -> str:
+    """The model card of a folder saved with these settings."""
+    tags = ["hf_sparsemax"]
+    if settings.attention_options is not None:
+        tags.append(f"sparse-attention-{settings.attn}")
+    sparse_loss = settings.loss not in (None, "cross_entropy")
+    if sparse_loss:
+        tags.append(f"sparse-loss-{settings.loss}")
+    options = {k: v for k, v in settings.loss_options.items() if k != "fused"}
+    loss = f"{settings.loss}({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if sparse_loss else None
+    lines = ["---", "library_name: transformers", "tags:", *(f"- {tag}" for tag in tags), "---", MARK, "",
+             "# Trained with hf_sparsemax", ""]
+    if settings.attention_options is not None:
+        lines.append(f"- attention: `{settings.attn}` {dict(sorted(settings.attn_options.items())) or ''}".rstrip())
+    if loss:
+        lines.append(f"- loss: `{loss}`; decoding: {decoding_note(settings)}")
+    lines += ["", "## Serve it", "",
+              "transformers: `pip install hf-sparsemax`, `import hf_sparsemax`, then `from_pretrained` this folder "
+              "(the model comes back patched) and `generate(do_sample=True)`."]
+    if settings.attention_options is not None:
+        lines += ["", f"vLLM and other engines: not supported. Their attention kernels compute softmax, and this "
+                      f"model computes {settings.attn} attention: vLLM with hf_sparsemax installed refuses the "
+                      "folder saying so, vLLM without it refuses its `quantization_config`."]
+        return "\n".join(lines) + "\n"
+    if not loss:
+        return "\n".join(lines) + "\n"
+    lines += ["", "vLLM: install hf-sparsemax in vLLM's environment (`pip install vllm hf-sparsemax`), then "
+                  "`vllm serve <this folder>`: every request samples the trained distribution with no flag. A request "
+                  "opts out with `extra_args={\"hf_sparsemax\": \"off\"}` (`vllm_xargs` over HTTP) or samples another "
+                  "loss with `{\"hf_sparsemax\": \"entmax15\"}` and `hf_sparsemax_<option>` keys."]
+    if settings.loss == "sparse_softmax":
+        lines += ["", "Engines without hf_sparsemax: `generation_config.json` carries `top_k` / `top_p` / "
+                      "`do_sample=true`, which vLLM, TGI and transformers' `generate` read as their default sampling: "
+                      "they sample the trained distribution exactly. vLLM without hf_sparsemax refuses the folder's "
+                      "`quantization_config` (transformers' reload hook): `vllm serve <folder> --hf-overrides "
+                      "'{\"quantization_config\": null}'`."]
+    else:
+        lines += ["", f"Engines without hf_sparsemax sample softmax, not the `{settings.loss}` distribution this "
+                      "model was trained for (tokens outside its support get drawn). vLLM without hf_sparsemax "
+                      "refuses the folder's `quantization_config` rather than serve it that way."]
+    return "\n".join(lines) + "\n"
+
+
+def write_card(folder: str | os.PathLike, settings: SparseSettings) -> bool:
+    """Write ``README.md`` into a saved folder unless it holds a card of the user's; whether it wrote one."""
+    path = os.path.join(folder, "README.md")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            if MARK not in handle.read():
+                return False
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(card_text(settings))
+    return True
