@@ -6,8 +6,8 @@ offline ``LLM`` (hf_sparsemax installed in vLLM's environment). A batch of ``--b
 them, vLLM samples softmax) are the baseline; the other rows sample a loss's distribution (the folder's,
 or another by request). Median tokens/s of interleaved rounds, and the ratio to the baseline. On a machine
 that other jobs share, those ratios swing by more than the processor costs; so the processor's own step
-(``BatchDecoding.apply`` on ``[batch, vocab]`` float32 logits, one torch thread like vLLM's engine) is also
-timed, and shown as a share of the baseline's time per decoding step.
+(``BatchDecoding.apply`` on the model's next-token logits of the batch's prompts, one torch thread like
+vLLM's engine) is also timed, and shown as a share of the baseline's time per decoding step.
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/bench_serving.py --batch 8 --new-tokens 64 --repeats 3
 """
