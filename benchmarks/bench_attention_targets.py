@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 
 import torch
@@ -65,9 +66,13 @@ def fresh(fn, *args):
 
 
 def memory_setup(attn: str, options: dict | None, seq: int) -> dict:
-    """For :func:`common.peak_memory_mb`: the model and inputs held, the step to measure."""
+    """For :func:`common.peak_memory_mb`: the model and inputs held, the step to measure (after one warm-up step,
+    which loads the compiled threshold kernels, and with its gradients freed)."""
     model = patched(LAYERS, attn, options)
     ids = torch.randint(0, 49152, (1, seq), generator=torch.Generator().manual_seed(seq))
+    step(model, ids)()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
     return {"step": step(model, ids)}
 
 

@@ -31,10 +31,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .mappings._core import masked_below, threshold_map
-from .mappings.entmax import entmax_vjp
+from .mappings import compiled
+from .mappings._core import masked_below
 
-ATTENTION_BUDGET = 1 << 24  # attention weights held at once (entries of [B, H, q_block, kv]: 64 MiB in float32)
+ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
 
 
 def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None) -> int:
@@ -111,12 +111,9 @@ def block_alpha(problem: Problem, part: Block, dtype: torch.dtype) -> float | to
     return alpha.detach().to(dtype).expand(shape).reshape(-1, 1)
 
 
-def block_weights(problem: Problem, part: Block, state: tuple | None = None):
-    """``(p, q_block, alpha)`` of one block, ``p [B, Hkv, G * rows, keys]`` over the block's key range.
-
-    Without ``state`` the threshold is solved and returned in it (``(shift, tau)``, ``[rows, 1]``); with it, ``p``
-    is recomputed from the scores and the saved threshold (bit for bit the forward's weights).
-    """
+def block_scores(problem: Problem, part: Block):
+    """``(scores, q_block, alpha)`` of one block: ``scores [B, Hkv, G * rows, keys]`` over the block's key range
+    (the same operations in forward and backward, so the same bits), ``alpha`` a float or one per score row."""
     query, key = problem.query, problem.key
     batch, kv_heads, groups, _, dim = query.shape
     rows = part.stop - part.start
@@ -128,13 +125,7 @@ def block_weights(problem: Problem, part: Block, state: tuple | None = None):
                   alpha=problem.scaling, out=grouped_scores)
     else:
         scores.mul_(problem.scaling)
-    flat = scores.view(-1, scores.shape[-1])
-    alpha = block_alpha(problem, part, flat.dtype)
-    if state is None:
-        state = problem.threshold(flat, masked_below(flat.dtype), alpha)
-    shift, tau = state
-    threshold_map(flat, shift, tau, alpha - 1, 1 / (alpha - 1), out=flat)
-    return scores, q_block, alpha, state
+    return scores, q_block, block_alpha(problem, part, scores.dtype)
 
 
 def forward_blocks(problem: Problem, block: int):
@@ -146,7 +137,11 @@ def forward_blocks(problem: Problem, block: int):
         if part.high == part.low:
             states.append(None)
             continue
-        p, _, _, state = block_weights(problem, part)
+        scores, _, alpha = block_scores(problem, part)
+        p, state = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
+                                    problem.threshold)
+        p = p.view(scores.shape)
+        del scores
         states.append(state)
         block_out = torch.matmul(p, value[..., part.low : part.high, :])
         out[..., part.start : part.stop, :] = block_out.view(*query.shape[:3], part.stop - part.start, -1)
@@ -165,13 +160,15 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
             continue
         rows = part.stop - part.start
         keys = slice(part.low, part.high)
-        p, q_block, alpha, _ = block_weights(problem, part, state)
+        scores, q_block, alpha = block_scores(problem, part)
         d_out = grad_out[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
-        d_value[..., keys, :] += torch.matmul(p.transpose(-1, -2), d_out)
         d_weights = torch.matmul(d_out, value[..., keys, :].transpose(-1, -2))
-        d_scores, d_a = entmax_vjp(p.view(-1, p.shape[-1]), d_weights.view(-1, p.shape[-1]), alpha, -1, alpha_grad)
-        d_scores = d_scores.view(p.shape)
-        del p, d_weights
+        n = scores.shape[-1]
+        p, d_scores, d_a = compiled.weights_vjp(scores.view(-1, n), state, d_weights.view(-1, n), alpha, alpha_grad)
+        del scores, d_weights
+        p, d_scores = p.view(d_out.shape[:-1] + (n,)), d_scores.view(d_out.shape[:-1] + (n,))
+        d_value[..., keys, :] += torch.matmul(p.transpose(-1, -2), d_out)
+        del p
         d_query[..., part.start : part.stop, :] = (
             torch.matmul(d_scores, key[..., keys, :]).mul_(problem.scaling).view(batch, kv_heads, groups, rows, dim))
         d_key[..., keys, :] += torch.matmul(d_scores.transpose(-1, -2), q_block).mul_(problem.scaling)

@@ -12,6 +12,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import hf_sparsemax as hs
 from hf_sparsemax import attention_blocks
+from hf_sparsemax.mappings import compiled
 from hf_sparsemax.attention import ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions, LearnedAlpha, sparse_attention_forward
 
 MIN = torch.finfo(torch.float32).min
@@ -163,3 +164,69 @@ def test_alphas_below_the_float32_range_take_the_float64_materialised_path():
     out, weights = sparse_attention_forward(module, q, k, v, mask, mapping=attn)
     assert weights is not None
     torch.testing.assert_close(out, materialised(module, "learned", q, k, v, mask, D**-0.5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The compiled threshold kernels on every block, traced with ``aot_eager`` (no C++ build: cheap in CI)."""
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled, "_failed", [])
+    monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
+
+
+@pytest.mark.parametrize("setup", ["sparsemax", "learned"])
+def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
+    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 100)
+    calls = []
+    original = compiled.compiled
+    monkeypatch.setattr(compiled, "compiled", lambda fn, backend: calls.append(fn.__name__) or original(fn, backend))
+    module, attn = module_for(setup)
+    q, k, v = inputs()
+    mask = masks()["causal+padding"]
+    leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+    out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
+    got = torch.autograd.grad(out.square().sum(), leaves)
+    reference = materialised(module, setup, q, k, v, mask, 0.4)
+    expected = torch.autograd.grad(reference.square().sum(), leaves)
+    assert {"solve_and_map", "map_and_vjp"} <= set(calls) and not compiled._failed
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(compiled_kernels, monkeypatch):
+    """Rows without a certificate (made so here: every second row; rare on real scores) are solved again by the
+    eager exact solver, and their weights and gradients are the mapping's."""
+    from hf_sparsemax.mappings._sync_free import newton_certified
+    from hf_sparsemax.mappings.sparsemax import sparsemax_threshold
+
+    def uncertain(rows, alpha, masked):
+        shift, tau, size, done = newton_certified(rows, alpha, masked)
+        return shift, tau + 0.25, size, done & (torch.arange(rows.shape[0]) % 2 == 0).unsqueeze(1)
+
+    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
+    reference = hs.sparsemax(rows)
+    monkeypatch.setattr(compiled, "newton_certified", uncertain)
+    eager = lambda r, masked, alpha: sparsemax_threshold(r, masked)  # noqa: E731
+    p, (shift, tau) = compiled.weights(rows.clone(), MIN, 2.0, eager)
+    torch.testing.assert_close(p[1::2], reference[1::2], rtol=0, atol=1e-7)  # re-solved: exact
+    assert not torch.allclose(p[::2], reference[::2])  # certified rows keep the (here shifted) compiled answer
+    grad = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
+    p_again, d_rows, _ = compiled.weights_vjp(rows.clone(), (shift, tau), grad, 2.0, False)
+    x = rows.clone().requires_grad_()
+    torch.testing.assert_close(p_again, p, rtol=0, atol=1e-7)
+    expected = torch.autograd.grad(hs.sparsemax(x), x, grad)[0]
+    torch.testing.assert_close(d_rows[1::2], expected[1::2], rtol=1e-5, atol=1e-6)
+
+
+def test_a_backend_that_fails_falls_back_to_the_eager_solver_with_one_warning(compiled_kernels, monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "no_such_backend")
+    monkeypatch.setattr(compiled.compiled, "cache_clear", compiled.compiled.cache_clear)
+    module, attn = module_for("entmax15")
+    q, k, v = inputs()
+    with pytest.warns(RuntimeWarning, match="eager solver"):
+        out, _ = sparse_attention_forward(module, q, k, v, masks()["causal"], scaling=0.4, mapping=attn)
+    assert compiled._failed and not compiled.applies(torch.zeros(4, 4))
+    torch.testing.assert_close(out, materialised(module, "entmax15", q, k, v, masks()["causal"], 0.4),
+                               rtol=1e-5, atol=2e-6)
