@@ -20,9 +20,20 @@ key masked (a padded position) gets all zeros, never NaN.
 Options live on each attention module (set by :func:`hf_sparsemax.patch_model`):
 ``alpha`` (entmax_bisect), a learned per-head alpha (``LearnedAlpha``,
 "Adaptively Sparse Transformers", Correia, Niculae & Martins, 2019),
-``top_k`` (sparse_softmax) and ``chunk_size`` (queries processed in chunks and
-recomputed in backward, so ``B x H x q x kv`` is never held whole).
-A module without options uses the defaults: alpha 1.5, no top-k cut.
+``top_k`` (sparse_softmax) and ``chunk_size``. A module without options uses
+the defaults: alpha 1.5, no top-k cut.
+
+Memory is bounded by default, as sdpa's kernels bound it: queries run in
+blocks whose weights ``[B, H, block, kv]`` hold at most
+``attention_blocks.ATTENTION_BUDGET`` entries (one block when the whole
+``[B, H, q, kv]`` fits), and ``chunk_size`` overrides the block size. The
+threshold mappings (sparsemax, entmax15, entmax_bisect) keep one threshold per
+query row for backward and recompute the weights from it
+(:mod:`hf_sparsemax.attention_blocks`); the others, and calls with softcapping,
+a position bias, sinks or dropout, recompute each block of queries in backward
+(activation checkpointing). Weights are returned only where asked for
+(``output_attentions``); under ``torch.compile`` the weights are materialised
+unless ``chunk_size`` is set.
 """
 
 from __future__ import annotations
@@ -38,7 +49,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention_blocks import block_queries, threshold_attention
 from .mappings import registry
+from .mappings.entmax import precise_in_float32
 
 ATTENTION_MAPPINGS = registry.names("attention")
 ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha)
@@ -194,16 +207,12 @@ def sparse_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function contract: ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``.
 
-    Returns ``(out [B, q, H, D], weights [B, H, q, kv])``; weights are ``None``
-    on the chunked path (``chunk_size`` set and ``output_attentions`` not asked).
-    Grouped-query heads are repeated to match the query heads.
+    Returns ``(out [B, q, H, D], weights [B, H, q, kv])``; weights are ``None`` unless asked for
+    (:func:`weights_requested`) or materialised anyway (a single block off the threshold path).
     """
     check_kwargs(kwargs, mapping)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min
@@ -212,9 +221,20 @@ def sparse_attention_forward(
         attention_mask = attention_mask[..., : key.shape[-2]]
     options = getattr(module, OPTIONS_ATTR, None)
     chunk = options.chunk_size if options else None
-    extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, sinks=s_aux, mapping=mapping)
     q_len = query.shape[-2]
-    if chunk is None or q_len <= chunk or kwargs.get("output_attentions"):
+    if chunk is None and not torch.compiler.is_compiling():  # memory-bounded by default (eager)
+        chunk = block_queries(query.shape[0], query.shape[1], q_len, key.shape[-2])
+    blocked = None if weights_requested(kwargs) else threshold_path(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, position_bias=position_bias,
+        sinks=s_aux, mapping=mapping)
+    if blocked is not None:
+        out = threshold_attention(query, key, value, attention_mask, scaling=scaling, block=chunk or q_len, **blocked)
+        return out.transpose(1, 2).contiguous(), None
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, sinks=s_aux, mapping=mapping)
+    if chunk is None or q_len <= chunk or weights_requested(kwargs):
         weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias, **extras)
         return out.transpose(1, 2).contiguous(), weights
     block = functools.partial(attend, module, key=key, value=value, **extras)
@@ -229,6 +249,55 @@ def sparse_attention_forward(
         grad = torch.is_grad_enabled()
         outputs.append(checkpoint(run, *operands, use_reentrant=False) if grad else run(*operands))
     return torch.cat(outputs, dim=-2).transpose(1, 2).contiguous(), None
+
+
+def weights_requested(kwargs: dict[str, typing.Any]) -> bool:
+    """Whether the caller wants the attention weights: ``output_attentions`` passed, or transformers' output
+    capture (``output_attentions`` on a model whose attention modules do not pass it on) recording attentions."""
+    if kwargs.get("output_attentions"):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capture passes output_attentions on
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and any(key.endswith("attentions") for key in collected)
+
+
+def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap, position_bias, sinks, mapping):
+    """The arguments of :func:`.attention_blocks.threshold_attention` for this call, or None where it does not apply.
+
+    It applies to the threshold mappings (registry entries with a ``threshold``: sparsemax, entmax15,
+    entmax_bisect with every alpha in [1.125, 2], fixed or learned) in float32 / float64, in eager mode, without
+    dropout in training, softcapping, a position bias or attention sinks; the other calls take
+    :func:`attend` (query chunks recomputed in backward when the weights exceed the budget).
+    """
+    entry = registry.REGISTRY[mapping]
+    if (entry.threshold is None or torch.compiler.is_compiling() or softcap is not None or position_bias is not None
+            or sinks is not None or (dropout and module.training) or query.dtype not in (torch.float32, torch.float64)
+            or not (query.dtype == key.dtype == value.dtype) or (mask is not None and mask.requires_grad)):
+        return None
+    options = getattr(module, OPTIONS_ATTR, None)
+    own = options.options if options is not None and options.mapping == mapping else entry.options()
+    values, fixed_alpha = registry.option_values(own), entry.fenchel_young_alpha(own)
+    learned = getattr(module, ALPHA_ATTR, None)
+    alpha = learned().to(query.device) if learned is not None else None
+    if alpha is not None and alpha.shape != (1, query.shape[1], 1, 1):
+        return None
+    if query.dtype != torch.float64 and not precise_in_float32(alpha if alpha is not None else fixed_alpha):
+        return None  # the mapping computes such alphas in float64: the materialised path does so
+
+    def reference(query, key, value, mask, alpha):  # the differentiable path, for a double backward
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        scores = scores if mask is None else scores + mask
+        options = dict(values, **({"alpha": alpha} if alpha is not None else {}))
+        return torch.matmul(entry.function(scores, dim=-1, **options).to(value.dtype), value)
+
+    return dict(alpha=alpha, fixed_alpha=fixed_alpha, threshold=entry.threshold, reference=reference)
 
 
 def attention_function(mapping: str):

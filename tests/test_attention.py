@@ -174,12 +174,16 @@ def test_attention_dropout_in_training():
 def test_grouped_query_heads_and_boolean_masks():
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     keep = torch.tensor([True, True, False, True, False]).expand(1, 1, 3, 5)
-    out, weights = sparse_attention_forward(torch.nn.Module().eval(), q, k, v, keep, mapping="entmax15")
+    out, weights = sparse_attention_forward(torch.nn.Module().eval(), q, k, v, keep, mapping="entmax15",
+                                            output_attentions=True)
     expanded_k, expanded_v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     scores = (q @ expanded_k.transpose(-1, -2) / 8**0.5).masked_fill(~keep, float("-inf"))
     torch.testing.assert_close(weights, hs.entmax15(scores))
     torch.testing.assert_close(out, (weights @ expanded_v).transpose(1, 2))
     assert (weights[..., [2, 4]] == 0).all()
+    blocked, none = sparse_attention_forward(torch.nn.Module().eval(), q, k, v, keep, mapping="entmax15")
+    assert none is None  # the memory-bounded path holds no weights to return
+    torch.testing.assert_close(blocked, out)
 
 
 def test_arguments_that_change_the_math_are_refused():

@@ -43,10 +43,13 @@ def exercise_attention(entry):
     mask[0, ..., 3:] = torch.finfo(torch.float64).min
     module = nn.Module()
     setattr(module, OPTIONS_ATTR, AttentionOptions.from_settings(entry.name, {}))
-    out, weights = sparse_attention_forward(module, query, key, value, mask, scaling=0.5, mapping=entry.name)
+    out, weights = sparse_attention_forward(module, query, key, value, mask, scaling=0.5, mapping=entry.name,
+                                            output_attentions=True)
     expected = entry.function(query @ key.transpose(-1, -2) * 0.5 + mask, dim=-1)
     torch.testing.assert_close(weights, expected)
     torch.testing.assert_close(out, (expected @ value).transpose(1, 2))
+    default, _ = sparse_attention_forward(module, query, key, value, mask, scaling=0.5, mapping=entry.name)
+    torch.testing.assert_close(default, out)  # the default (memory-bounded) path computes the same output
     model = tiny_lm()
     ids = torch.randint(1, 24, (2, 6), generator=g)
     hs.patch_model(model, attn=entry.name)

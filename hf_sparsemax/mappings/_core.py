@@ -248,8 +248,9 @@ def threshold_map(
     tau: torch.Tensor,
     scale: float | torch.Tensor | None = None,
     power: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``relu(scale * (x - shift) - tau) ** power`` for each row, block by block.
+    """``relu(scale * (x - shift) - tau) ** power`` for each row, block by block (into ``out``, which may be ``rows``).
 
     The one output step of sparsemax (scale 1, power 1: the defaults, None), 1.5-entmax (1/2, 2)
     and alpha-entmax (alpha - 1, 1/(alpha - 1)). ``shift``, ``tau`` and tensor
@@ -259,7 +260,7 @@ def threshold_map(
     scale, power = 1.0 if scale is None else scale, 1.0 if power is None else power
     if torch.compiler.is_compiling():
         return sync_free_map(rows, shift, tau, scale, power)
-    out = torch.empty_like(rows)
+    out = torch.empty_like(rows) if out is None else out
     tau = tau.to(rows.dtype)
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):

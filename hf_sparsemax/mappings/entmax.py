@@ -126,19 +126,26 @@ def precise_in_float32(alpha: float | torch.Tensor) -> bool:
     return low <= alpha <= high
 
 
-def entmax15_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """1.5-entmax of each row and ``tau - max(x)/2``: ``p = relu((x - max)/2 - (tau - max/2))**2``.
+def entmax15_threshold(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max(x), tau - max(x)/2)`` of each row, ``[rows, 1]``: ``p = relu((x - max)/2 - (tau - max/2))**2``.
 
     ``k``: the top candidates examined first on long rows (default ``CANDIDATES``); the answer is exact either way.
     """
     top1, tau, _ = find_threshold(rows, masked, 1.5, entmax15_solve, k or CANDIDATES)
+    return top1, tau
+
+
+def entmax15_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """1.5-entmax of each row and ``tau - max(x)/2``: ``p = relu((x - max)/2 - (tau - max/2))**2``."""
+    top1, tau = entmax15_threshold(rows, masked, k)
     return threshold_map(rows, top1, tau, 0.5, 2), tau
 
 
-def entmax_bisect_rows(
+def entmax_bisect_threshold(
     rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and ``tau - (alpha-1) max(x)``."""
+    """``(max(x), tau - (alpha-1) max(x))`` of each row, ``[rows, 1]`` (``alpha`` a float or ``[rows, 1]``):
+    ``p = relu((alpha-1)(x - max) - (tau - (alpha-1) max)) ** (1/(alpha-1))``."""
     if isinstance(alpha, torch.Tensor):  # per row: reaches the solver as a row argument
         solve, row_args = functools.partial(bisect_solve, n_iter=n_iter), (alpha.to(rows.device),)
     else:
@@ -147,6 +154,14 @@ def entmax_bisect_rows(
         top1, tau, _ = find_threshold(rows, masked, alpha, solve, CANDIDATES, *row_args)
     else:  # a fixed number of steps on the candidate sets, as documented
         top1, tau, _ = solve_on_top(rows, solve, CANDIDATES, masked, *row_args)
+    return top1, tau
+
+
+def entmax_bisect_rows(
+    rows: torch.Tensor, alpha: float | torch.Tensor, masked: float, n_iter: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha-entmax of each row (``alpha`` a float or ``[rows, 1]``) and ``tau - (alpha-1) max(x)``."""
+    top1, tau = entmax_bisect_threshold(rows, alpha, masked, n_iter)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(rows.dtype)
     return threshold_map(rows, top1, tau, alpha - 1, 1 / (alpha - 1)), tau

@@ -39,12 +39,12 @@ import torch
 
 from .. import likelihood, losses, margin
 from .entmax import check_alpha, entmax15, entmax15_rows, entmax15_support, entmax_bisect, entmax_bisect_rows
-from .entmax import entmax_bisect_support
+from .entmax import entmax15_threshold, entmax_bisect_support, entmax_bisect_threshold
 from .budget import budget_bisect, budget_rows, check_budget
 from .normmax import normmax_bisect, normmax_rows
 from .perturb import DEFAULT_POINTS, MAX_CLASSES, check_perturb, perturb_log_rows, perturb_max
 from .sparse_softmax import check_top, sparse_softmax, sparse_softmax_rows, sparse_softmax_support
-from .sparsemax import sparsemax, sparsemax_rows, sparsemax_support
+from .sparsemax import sparsemax, sparsemax_rows, sparsemax_support, sparsemax_threshold
 from .taylor import check_order, taylor_rows, taylor_softmax
 
 SWAP_POINTS = ("attention", "loss", "fused", "processor")
@@ -160,6 +160,9 @@ class Mapping:
     loss_rule: str  # "fenchel_young", "kept_logsumexp" (Su's sparse softmax), "nll" (-log p_t), "margin", "none"
     alpha: float | str | None = None  # Fenchel-Young alpha, or the name of the option holding it
     support: Callable[..., Any] | None = None  # support(rows, masked, options) -> (index, p, tau) [rows, K]
+    # threshold mappings: threshold(rows, masked, alpha) -> (shift, tau), [rows, 1] each, with
+    # p = relu((alpha - 1)(x - shift) - tau) ** (1 / (alpha - 1)); alpha a float or [rows, 1] (blocked attention)
+    threshold: Callable[..., Any] | None = None
     attention_options: tuple[str, ...] | None = None  # None: not an attention
     fused: bool = False
     processor: bool = True
@@ -215,16 +218,19 @@ def _entries() -> dict[str, Mapping]:
                 rows=lambda rows, masked, o: sparsemax_rows(rows, masked)[0],
                 loss=losses.sparsemax_loss, loss_rule="fenchel_young", alpha=2.0,
                 support=lambda rows, masked, o: sparsemax_support(rows, masked),
+                threshold=lambda rows, masked, alpha: sparsemax_threshold(rows, masked),
                 attention_options=(), fused=True),
         Mapping("entmax15", Entmax15Options, entmax15,
                 rows=lambda rows, masked, o: entmax15_rows(rows, masked)[0],
                 loss=losses.entmax15_loss, loss_rule="fenchel_young", alpha=1.5,
                 support=lambda rows, masked, o: entmax15_support(rows, masked),
+                threshold=lambda rows, masked, alpha: entmax15_threshold(rows, masked),
                 attention_options=(), fused=True),
         Mapping("entmax_bisect", EntmaxBisectOptions, entmax_bisect,
                 rows=lambda rows, masked, o: entmax_bisect_rows(rows, o.alpha, masked)[0],
                 loss=losses.entmax_bisect_loss, loss_rule="fenchel_young", alpha="alpha",
                 support=lambda rows, masked, o: entmax_bisect_support(rows, o.alpha, masked),
+                threshold=lambda rows, masked, alpha: entmax_bisect_threshold(rows, alpha, masked),
                 attention_options=("alpha",), fused=True),
         Mapping("normmax_bisect", NormmaxBisectOptions, normmax_bisect,
                 rows=lambda rows, masked, o: normmax_rows(rows, o.alpha, masked)[0],

@@ -35,12 +35,18 @@ def sparsemax_solve(top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
     return tau, size
 
 
-def sparsemax_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``.
+def sparsemax_threshold(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max(x), tau - max(x))`` of each row, ``[rows, 1]``: sparsemax is ``relu((x - max) - (tau - max))``.
 
     ``k``: the top candidates examined first on long rows (default ``CANDIDATES``); the answer is exact either way.
     """
     top1, tau, _ = find_threshold(rows, masked, 2.0, sparsemax_solve, k or CANDIDATES)
+    return top1, tau
+
+
+def sparsemax_rows(rows: torch.Tensor, masked: float, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparsemax of each row and ``tau - max(x)``: ``p = relu((x - max) - (tau - max))``."""
+    top1, tau = sparsemax_threshold(rows, masked, k)
     return threshold_map(rows, top1, tau), tau
 
 

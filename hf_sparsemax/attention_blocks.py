@@ -1,0 +1,225 @@
+"""Memory-bounded threshold attention: query blocks within a budget, one threshold per row kept for backward.
+
+For the threshold mappings (sparsemax, 1.5-entmax, alpha-entmax; the registry
+entries with a ``threshold``) the weights of a query row are
+
+    p = relu((alpha - 1)(s - shift) - tau) ** (1 / (alpha - 1)),   s = q k^T * scaling + mask,
+
+so two numbers per row (``shift``, ``tau``) give back the whole row. The
+forward runs the queries in blocks whose scores ``[B, H, block, kv]`` hold at
+most ``ATTENTION_BUDGET`` entries (all queries in one block when the whole
+``[B, H, q, kv]`` fits), solves each row's threshold, and keeps only
+``shift`` and ``tau``: nothing of size ``q x kv`` outlives a block, as with a
+flash kernel. The backward recomputes each block's scores and maps them with
+the saved threshold (one pass; no solve), then, with ``s_i = p_i ** (2 - alpha)``
+on the support (the mapping's Jacobian, :func:`~hf_sparsemax.mappings.entmax.entmax_vjp`):
+
+    dV = P^T dO,   dP = dO V^T,   dS = s * (dP - <s, dP> / <s, 1>),   dQ = dS K * scaling,   dK = dS^T Q * scaling
+
+and, for a learned per-head alpha, its closed-form derivative. Keys that the
+mask excludes for every query of a block (the future under a causal mask, the
+past beyond a sliding window, padding) are skipped in the forward and the
+backward: their weights are exactly 0. Grouped-query heads share their key
+and value head without copies. A double backward (``create_graph=True``)
+recomputes the blocks through the mapping's own differentiable Function, so
+second derivatives stay exact.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .mappings import compiled
+from .mappings._core import masked_below
+
+ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
+
+
+def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None) -> int:
+    """Queries per block: all of them when ``[B, H, q, kv]`` fits ``budget`` (``ATTENTION_BUDGET``), else equal
+    blocks that fit."""
+    budget = ATTENTION_BUDGET if budget is None else budget
+    per_query = max(1, batch * heads * keys)
+    if per_query * queries <= budget:
+        return max(1, queries)
+    largest = max(1, budget // per_query)
+    blocks = -(-queries // largest)
+    return -(-queries // blocks)  # equal blocks, each at most `largest`
+
+
+class Block(NamedTuple):
+    """Queries ``[start, stop)`` and the keys ``[low, high)`` that some of them see (the others have weight 0)."""
+
+    start: int
+    stop: int
+    low: int
+    high: int
+
+
+class Problem(NamedTuple):
+    """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None  # additive, [B | 1, Hkv | 1, G | 1, q, kv]
+    alpha: float | torch.Tensor  # a float, or [1, Hkv, G, 1, 1] (learned per head)
+    scaling: float
+    threshold: Callable
+
+
+def grouped(query, key, value, mask, alpha, scaling, threshold) -> Problem:
+    """The :class:`Problem` of a call with ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``,
+    ``mask`` broadcastable to ``[B, H, q, kv]`` and ``alpha`` a float or ``[1, H, 1, 1]``."""
+    kv_heads = key.shape[1]
+    groups = query.shape[1] // kv_heads
+    query = query.unflatten(1, (kv_heads, groups))
+    if mask is not None:
+        mask = mask.unflatten(1, (kv_heads, groups)) if mask.shape[1] != 1 else mask.unsqueeze(2)
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.unflatten(1, (kv_heads, groups))
+    return Problem(query, key, value, mask, alpha, scaling, threshold)
+
+
+def blocks(problem: Problem, block: int) -> list[Block]:
+    """The query blocks of ``block`` queries and, from the mask, the range of keys each one needs."""
+    masked = masked_below(problem.query.dtype)
+    queries, keys = problem.query.shape[-2], problem.key.shape[-2]
+    found = []
+    for start in range(0, queries, block):
+        stop = min(start + block, queries)
+        if problem.mask is None:
+            found.append(Block(start, stop, 0, keys))
+            continue
+        live = (problem.mask[..., start:stop, :] > masked).flatten(0, -2).any(0).nonzero()
+        if live.numel():
+            found.append(Block(start, stop, int(live[0]), int(live[-1]) + 1))
+        else:
+            found.append(Block(start, stop, 0, 0))  # every query of the block is fully masked: weights 0
+    return found
+
+
+def block_alpha(problem: Problem, part: Block, dtype: torch.dtype) -> float | torch.Tensor:
+    """The block's alpha: the float, or one per row ``[rows, 1]`` in the order of the block's score rows."""
+    alpha = problem.alpha
+    if not isinstance(alpha, torch.Tensor):
+        return alpha
+    batch, kv_heads, groups = problem.query.shape[:3]
+    shape = (batch, kv_heads, groups, part.stop - part.start, 1)
+    return alpha.detach().to(dtype).expand(shape).reshape(-1, 1)
+
+
+def block_scores(problem: Problem, part: Block):
+    """``(scores, q_block, alpha)`` of one block: ``scores [B, Hkv, G * rows, keys]`` over the block's key range
+    (the same operations in forward and backward, so the same bits), ``alpha`` a float or one per score row."""
+    query, key = problem.query, problem.key
+    batch, kv_heads, groups, _, dim = query.shape
+    rows = part.stop - part.start
+    q_block = query[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
+    scores = torch.matmul(q_block, key[..., part.low : part.high, :].transpose(-1, -2))
+    grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
+    if problem.mask is not None:
+        torch.add(problem.mask[..., part.start : part.stop, part.low : part.high], grouped_scores,
+                  alpha=problem.scaling, out=grouped_scores)
+    else:
+        scores.mul_(problem.scaling)
+    return scores, q_block, block_alpha(problem, part, scores.dtype)
+
+
+def forward_blocks(problem: Problem, block: int):
+    """Output ``[B, Hkv, G, q, D]``, the blocks, and each block's ``(shift, tau)``."""
+    query, value = problem.query, problem.value
+    out = query.new_zeros(query.shape)
+    parts, states = blocks(problem, block), []
+    for part in parts:
+        if part.high == part.low:
+            states.append(None)
+            continue
+        scores, _, alpha = block_scores(problem, part)
+        p, state = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
+                                    problem.threshold)
+        p = p.view(scores.shape)
+        del scores
+        states.append(state)
+        block_out = torch.matmul(p, value[..., part.low : part.high, :])
+        out[..., part.start : part.stop, :] = block_out.view(*query.shape[:3], part.stop - part.start, -1)
+        del p
+    return out, parts, states
+
+
+def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alpha_grad: bool):
+    """``(dQ, dK, dV, dalpha)`` in grouped layout (``dalpha`` ``[1, Hkv, G, 1, 1]`` or None)."""
+    query, key, value = problem.query, problem.key, problem.value
+    batch, kv_heads, groups, _, dim = query.shape
+    d_query, d_key, d_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    d_alpha = torch.zeros(1, kv_heads, groups, 1, 1, dtype=torch.float64) if alpha_grad else None
+    for part, state in zip(parts, states):
+        if state is None:
+            continue
+        rows = part.stop - part.start
+        keys = slice(part.low, part.high)
+        scores, q_block, alpha = block_scores(problem, part)
+        d_out = grad_out[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
+        d_weights = torch.matmul(d_out, value[..., keys, :].transpose(-1, -2))
+        n = scores.shape[-1]
+        p, d_scores, d_a = compiled.weights_vjp(scores.view(-1, n), state, d_weights.view(-1, n), alpha, alpha_grad)
+        del scores, d_weights
+        p, d_scores = p.view(d_out.shape[:-1] + (n,)), d_scores.view(d_out.shape[:-1] + (n,))
+        d_value[..., keys, :] += torch.matmul(p.transpose(-1, -2), d_out)
+        del p
+        d_query[..., part.start : part.stop, :] = (
+            torch.matmul(d_scores, key[..., keys, :]).mul_(problem.scaling).view(batch, kv_heads, groups, rows, dim))
+        d_key[..., keys, :] += torch.matmul(d_scores.transpose(-1, -2), q_block).mul_(problem.scaling)
+        if d_a is not None:
+            d_alpha += d_a.view(batch, kv_heads, groups, rows).sum((0, 3)).view(d_alpha.shape).double()
+    return d_query, d_key, d_value, d_alpha
+
+
+class ThresholdAttention(torch.autograd.Function):
+    """``softmax``-free attention output ``[B, Hkv, G, q, D]`` of a threshold mapping, memory-bounded (module doc)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, alpha, fixed_alpha, scaling, threshold, block, reference):
+        problem = grouped(query, key, value, mask, alpha if alpha is not None else fixed_alpha, scaling, threshold)
+        out, parts, states = forward_blocks(problem, block)
+        ctx.save_for_backward(query, key, value, mask, alpha)
+        ctx.parts, ctx.states = parts, states
+        ctx.fixed_alpha, ctx.scaling, ctx.threshold, ctx.reference = fixed_alpha, scaling, threshold, reference
+        return out.flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask, alpha = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph: through the mapping's differentiable Function (exact 2nd order)
+            inputs = [t for t, need in zip((query, key, value, alpha), needs[:3] + needs[4:5]) if need]
+            out = ctx.reference(query, key, value, mask, alpha)
+            grads = iter(torch.autograd.grad(out, inputs, grad_out, create_graph=True))
+            found = [next(grads) if need else None for need in needs[:3] + needs[4:5]]
+            return (*found[:3], None, found[3], None, None, None, None, None)
+        alpha_grad = alpha is not None and needs[4]
+        problem = grouped(query, key, value, mask, alpha if alpha is not None else ctx.fixed_alpha, ctx.scaling,
+                          ctx.threshold)
+        grad = grad_out.unflatten(1, problem.query.shape[1:3])
+        d_query, d_key, d_value, d_alpha = backward_blocks(problem, ctx.parts, ctx.states, grad, alpha_grad)
+        if d_alpha is not None:
+            d_alpha = d_alpha.flatten(1, 2).to(alpha.dtype)
+        return d_query.flatten(1, 2), d_key, d_value, None, d_alpha, None, None, None, None, None
+
+
+def threshold_attention(query, key, value, mask, *, alpha, fixed_alpha, scaling, threshold, block, reference):
+    """Attention output ``[B, H, q, D]`` of a threshold mapping, memory-bounded (see the module docstring).
+
+    ``query [B, H, q, D]``; ``key``/``value [B, H_kv, kv, D]`` (not repeated for grouped heads); ``mask``
+    additive, broadcastable to ``[B, H, q, kv]``, or None; ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None
+    (then ``fixed_alpha``); ``threshold`` the registry entry's row threshold; ``block`` queries per block;
+    ``reference(query, key, value, mask, alpha)`` the same output through the differentiable mapping (double
+    backward only).
+    """
+    args = (query, key, value, mask, alpha, fixed_alpha, scaling, threshold, block, reference)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, alpha)):
+        return ThresholdAttention.apply(*args)
+    problem = grouped(query, key, value, mask, alpha if alpha is not None else fixed_alpha, scaling, threshold)
+    return forward_blocks(problem, block)[0].flatten(1, 2)

@@ -1,0 +1,112 @@
+"""The threshold of a block of rows in one compiled kernel, exact, with the eager solver as fallback.
+
+The eager solvers (:mod:`._core`) run one whole-tensor kernel per Newton pass:
+on attention-sized blocks (thousands of rows of thousands of keys) no cache
+holds the block, so every pass reads it from memory again. Compiled by
+inductor, the fixed Newton passes of :func:`._sync_free.newton_certified`
+become one loop over rows that solves each row while it sits in cache.
+Rows whose answer the fixed passes do not certify (rare) are solved again by
+the mapping's eager solver, so the threshold is the exact one either way.
+
+The compiled function is built on first use per process (one graph per kind of
+alpha, shapes dynamic) and inductor caches the generated code on disk, so
+later processes load it. Blocks smaller than ``MIN_ELEMENTS`` and
+non-float32 rows use the eager solver; so does everything when compiling is
+not possible (no C++ compiler: one warning) or when the environment variable
+``HF_SPARSEMAX_COMPILED_SOLVER=0`` is set. Callers need not use
+``torch.compile`` themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+from ._core import threshold_map
+from ._sync_free import newton_certified
+from ._sync_free import threshold_map as sync_free_map
+from .entmax import entmax_vjp
+
+MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
+BACKEND = "inductor"
+ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"
+_failed: list[str] = []  # the first compile error, once compiling failed in this process
+
+
+def applies(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` go through the compiled kernels (float32, large enough, eager caller, compiling works)."""
+    return (os.environ.get(ENVIRONMENT, "1") != "0" and not _failed and rows.dtype == torch.float32
+            and rows.numel() >= MIN_ELEMENTS and rows.is_contiguous() and not torch.compiler.is_compiling())
+
+
+def map_rows(rows, shift, tau, alpha):
+    """``relu((alpha - 1)(x - shift) - tau) ** (1 / (alpha - 1))`` (one fused pass when compiled)."""
+    am1 = alpha - 1
+    return sync_free_map(rows, shift, tau, am1, 1 / am1)
+
+
+def solve_and_map(rows, alpha, masked: float):
+    """``(p, shift, tau, done)``: the fixed certified Newton passes, then the weights."""
+    shift, tau, _, done = newton_certified(rows, alpha, masked)
+    return map_rows(rows, shift, tau, alpha), shift, tau, done
+
+
+def map_and_vjp(rows, shift, tau, grad, alpha, alpha_grad: bool):
+    """``(p, J_x^T grad, J_alpha^T grad or None)`` from the scores and their saved threshold."""
+    p = map_rows(rows, shift, tau, alpha)
+    return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn: Callable, backend: str) -> Callable:
+    """``fn`` compiled with ``backend``, dynamic shapes (one graph for every block size)."""
+    return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+
+
+def run(fn: Callable, *args):
+    """``compiled(fn)(*args)``, or None once compiling failed (one warning; eager from then on)."""
+    try:
+        return compiled(fn, BACKEND)(*args)
+    except Exception as error:  # no compiler, or a backend that cannot build this graph
+        _failed.append(f"{type(error).__name__}: {error}")
+        warnings.warn(f"hf_sparsemax: the compiled threshold kernels are not available here ({_failed[0][:200]}); "
+                      "using the eager solver", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, threshold: Callable):
+    """``(p, (shift, tau))`` of ``[rows, n]`` scores; ``threshold(rows, masked, alpha)`` is the eager exact solver.
+
+    ``alpha`` is the mapping's alpha (2 for sparsemax, 1.5 for entmax15), a float or ``[rows, 1]``. The weights
+    are written over ``rows`` on the eager path.
+    """
+    found = run(solve_and_map, rows, alpha, masked) if applies(rows) else None
+    if found is None:
+        shift, tau = threshold(rows, masked, alpha)
+        return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), (shift, tau)
+    p, shift, tau, done = found
+    todo = (~done).squeeze(1).nonzero().squeeze(1)
+    if todo.numel():  # not certified by the fixed passes: the eager exact solver on those rows
+        row_alpha = alpha.index_select(0, todo) if isinstance(alpha, torch.Tensor) else alpha
+        sub = rows.index_select(0, todo)
+        shift[todo], tau[todo] = threshold(sub, masked, row_alpha)
+        p[todo] = threshold_map(sub, shift[todo], tau[todo], row_alpha - 1, 1 / (row_alpha - 1))
+    return p, (shift, tau)
+
+
+def weights_vjp(rows: torch.Tensor, state, grad: torch.Tensor, alpha, alpha_grad: bool):
+    """``(p, J_x^T grad, J_alpha^T grad or None)`` of the weights of ``rows`` given their threshold ``state``.
+
+    The same path as :func:`weights` took for these rows (compiled or eager), so ``p`` is the forward's weights
+    (to the rounding of the fused pass on the rare rows the eager solver settled).
+    """
+    shift, tau = state
+    found = run(map_and_vjp, rows, shift, tau, grad, alpha, alpha_grad) if applies(rows) else None
+    if found is not None:
+        return found
+    p = threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows)
+    return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))

@@ -1,0 +1,232 @@
+"""The memory-bounded default attention path (query blocks, a saved threshold per row, weights recomputed).
+
+Checked against the materialised formula ``mapping(q k^T * scaling + mask) v`` with the library's own
+mappings (themselves checked against closed forms and the ``entmax`` package elsewhere): outputs and the
+gradients of queries, keys, values and learned alphas, across block sizes, grouped heads and mask families,
+in float64 to first and second order, and the memory bound by what autograd keeps for backward.
+"""
+
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+
+import hf_sparsemax as hs
+from hf_sparsemax import attention_blocks
+from hf_sparsemax.mappings import compiled
+from hf_sparsemax.attention import ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions, LearnedAlpha, sparse_attention_forward
+
+MIN = torch.finfo(torch.float32).min
+B, H, H_KV, L, D = 2, 4, 2, 13, 8
+SETUPS = {  # name -> (attention, attn_options)
+    "sparsemax": ("sparsemax", {}),
+    "entmax15": ("entmax15", {}),
+    "bisect13": ("entmax_bisect", {"alpha": 1.3}),
+    "learned": ("entmax_bisect", {"alpha": 1.4, "learn_alpha": True}),
+}
+
+
+def masks(length: int = L) -> dict[str, torch.Tensor | None]:
+    causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+    window = causal | torch.ones(length, length, dtype=torch.bool).tril(-4)
+    padded = torch.zeros(B, 1, length, length).masked_fill(causal, MIN)
+    padded[1, ..., :3] = MIN  # left padding: the first rows of the second sequence see nothing
+    return {
+        "none": None,
+        "causal": torch.zeros(1, 1, length, length).masked_fill(causal, MIN),
+        "causal+padding": padded,
+        "sliding window": torch.zeros(1, 1, length, length).masked_fill(window, MIN),
+        "per head": torch.zeros(B, H, length, length).masked_fill(torch.rand(B, H, length, length) < 0.3, MIN),
+    }
+
+
+class Float64Alpha(LearnedAlpha):
+    """A learned alpha computed in float64 (``LearnedAlpha`` rounds to float32, too coarse for gradcheck)."""
+
+    def forward(self) -> torch.Tensor:
+        return (1 + torch.sigmoid(self.pre_alpha)).view(1, -1, 1, 1)
+
+
+def module_for(setup: str, dtype=torch.float32) -> tuple[torch.nn.Module, str]:
+    attn, options = SETUPS[setup]
+    module = torch.nn.Module().train()
+    setattr(module, OPTIONS_ATTR, AttentionOptions.from_settings(attn, options))
+    if options.get("learn_alpha"):
+        kind = Float64Alpha if dtype == torch.float64 else LearnedAlpha
+        module.add_module(ALPHA_ATTR, kind(H, options["alpha"]).to(dtype))
+        with torch.no_grad():
+            module.hf_sparsemax_alpha.pre_alpha.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
+    return module, attn
+
+
+def materialised(module, setup, q, k, v, mask, scaling):
+    attn, options = SETUPS[setup]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scaling + (0 if mask is None else mask)
+    if options.get("learn_alpha"):
+        p = hs.entmax_bisect(scores, module.hf_sparsemax_alpha())
+    else:
+        p = hs.entmax_bisect(scores, options["alpha"]) if "alpha" in options else getattr(hs, attn)(scores)
+    return (p @ v).transpose(1, 2)
+
+
+def inputs(dtype=torch.float32, length: int = L, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, H, length, D), (B, H_KV, length, D), (B, H_KV, length, D)]
+    return [(torch.randn(s, generator=g, dtype=dtype) * 1.5).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("budget", [None, 1, 100])  # one block; one query per block; a few queries per block
+def test_blocked_path_equals_the_materialised_formula(setup, budget, monkeypatch):
+    if budget is not None:
+        monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", budget)
+    for name, mask in masks().items():
+        module, attn = module_for(setup)
+        q, k, v = inputs()
+        grad = torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(2))
+        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+        out, weights = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
+        assert weights is None  # the blocked path was taken: no weights held
+        got = torch.autograd.grad((out * grad).sum(), leaves)
+        reference = materialised(module, setup, q, k, v, mask, 0.4)
+        expected = torch.autograd.grad((reference * grad).sum(), leaves)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-6, msg=name)
+        for a, b, leaf in zip(got, expected, ["q", "k", "v", "alpha"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}: d{leaf}")
+        if mask is not None and name == "causal+padding":
+            assert (out[1, :3] == 0).all()  # fully masked queries: zeros, never NaN
+
+
+def test_explicit_chunk_size_overrides_the_budget(monkeypatch):
+    seen = []
+    original = attention_blocks.forward_blocks
+    monkeypatch.setattr(attention_blocks, "forward_blocks", lambda p, block: seen.append(block) or original(p, block))
+    q, k, v = inputs()
+    for chunk in (None, 5):
+        module, attn = module_for("entmax15")
+        if chunk:
+            setattr(module, OPTIONS_ATTR, AttentionOptions.from_settings(attn, {"chunk_size": chunk}))
+        sparse_attention_forward(module, q, k, v, masks()["causal"], mapping=attn)
+    assert seen == [L, 5]
+
+
+def test_block_sizes_hold_the_budget_and_short_inputs_stay_whole():
+    assert attention_blocks.block_queries(2, 9, 512, 512, budget=1 << 24) == 512  # fits: one block, no chunking
+    for batch, heads, queries, keys, budget in [(1, 9, 8192, 8192, 1 << 24), (1, 9, 2048, 2048, 1 << 24),
+                                               (3, 2, 7, 5, 1), (1, 1, 10, 10, 35)]:
+        block = attention_blocks.block_queries(batch, heads, queries, keys, budget=budget)
+        assert 1 <= block <= queries and (batch * heads * block * keys <= budget or block == 1)
+        blocks = -(-queries // block)  # equal blocks, as few as the budget allows
+        assert batch * heads * -(-queries // (blocks - 1)) * keys > budget if blocks > 1 else True
+
+
+def test_backward_keeps_no_query_by_key_tensor():
+    """What autograd saves for backward is the inputs and one threshold per row: nothing of size q x kv."""
+    length = 64
+    module, attn = module_for("learned")
+    q, k, v = inputs(length=length)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = sparse_attention_forward(module, q, k, v, masks(length)["causal"], mapping=attn)
+    assert saved and max(saved) < length * length * H
+    out.sum().backward()
+    assert q.grad is not None and module.hf_sparsemax_alpha.pre_alpha.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("setup", ["entmax15", "learned"])
+def test_first_and_second_derivatives_in_float64(setup, monkeypatch):
+    """float64 gradcheck and gradgradcheck of the blocked path (one query per block), alphas included."""
+    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 2 * H * 5)
+    module, attn = module_for(setup, torch.float64)
+    q, k, v = [t.detach().double().requires_grad_() for t in inputs(length=5)]
+    mask = masks(5)["causal"].double()
+    alpha = [module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else []
+
+    def fn(q, k, v, *pre_alpha):
+        return sparse_attention_forward(module, q, k, v, mask, mapping=attn)[0]
+
+    assert gradcheck(fn, (q, k, v, *alpha), atol=1e-6, fast_mode=True)
+    assert gradgradcheck(fn, (q, k, v, *alpha), atol=1e-5, fast_mode=True)
+
+
+def test_alphas_below_the_float32_range_take_the_float64_materialised_path():
+    module, attn = module_for("learned")
+    with torch.no_grad():
+        module.hf_sparsemax_alpha.pre_alpha.fill_(-4.0)  # alpha = 1.018: solved in float64 by the mapping
+    q, k, v = inputs()
+    mask = masks()["causal"]
+    out, weights = sparse_attention_forward(module, q, k, v, mask, mapping=attn)
+    assert weights is not None
+    torch.testing.assert_close(out, materialised(module, "learned", q, k, v, mask, D**-0.5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The compiled threshold kernels on every block, traced with ``aot_eager`` (no C++ build: cheap in CI)."""
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled, "_failed", [])
+    monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
+
+
+@pytest.mark.parametrize("setup", ["sparsemax", "learned"])
+def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
+    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 100)
+    calls = []
+    original = compiled.compiled
+    monkeypatch.setattr(compiled, "compiled", lambda fn, backend: calls.append(fn.__name__) or original(fn, backend))
+    module, attn = module_for(setup)
+    q, k, v = inputs()
+    mask = masks()["causal+padding"]
+    leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+    out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
+    got = torch.autograd.grad(out.square().sum(), leaves)
+    reference = materialised(module, setup, q, k, v, mask, 0.4)
+    expected = torch.autograd.grad(reference.square().sum(), leaves)
+    assert {"solve_and_map", "map_and_vjp"} <= set(calls) and not compiled._failed
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(compiled_kernels, monkeypatch):
+    """Rows without a certificate (made so here: every second row; rare on real scores) are solved again by the
+    eager exact solver, and their weights and gradients are the mapping's."""
+    from hf_sparsemax.mappings._sync_free import newton_certified
+    from hf_sparsemax.mappings.sparsemax import sparsemax_threshold
+
+    def uncertain(rows, alpha, masked):
+        shift, tau, size, done = newton_certified(rows, alpha, masked)
+        return shift, tau + 0.25, size, done & (torch.arange(rows.shape[0]) % 2 == 0).unsqueeze(1)
+
+    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
+    reference = hs.sparsemax(rows)
+    monkeypatch.setattr(compiled, "newton_certified", uncertain)
+    eager = lambda r, masked, alpha: sparsemax_threshold(r, masked)  # noqa: E731
+    p, (shift, tau) = compiled.weights(rows.clone(), MIN, 2.0, eager)
+    torch.testing.assert_close(p[1::2], reference[1::2], rtol=0, atol=1e-7)  # re-solved: exact
+    assert not torch.allclose(p[::2], reference[::2])  # certified rows keep the (here shifted) compiled answer
+    grad = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
+    p_again, d_rows, _ = compiled.weights_vjp(rows.clone(), (shift, tau), grad, 2.0, False)
+    x = rows.clone().requires_grad_()
+    torch.testing.assert_close(p_again, p, rtol=0, atol=1e-7)
+    expected = torch.autograd.grad(hs.sparsemax(x), x, grad)[0]
+    torch.testing.assert_close(d_rows[1::2], expected[1::2], rtol=1e-5, atol=1e-6)
+
+
+def test_a_backend_that_fails_falls_back_to_the_eager_solver_with_one_warning(compiled_kernels, monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "no_such_backend")
+    monkeypatch.setattr(compiled.compiled, "cache_clear", compiled.compiled.cache_clear)
+    module, attn = module_for("entmax15")
+    q, k, v = inputs()
+    with pytest.warns(RuntimeWarning, match="eager solver"):
+        out, _ = sparse_attention_forward(module, q, k, v, masks()["causal"], scaling=0.4, mapping=attn)
+    assert compiled._failed and not compiled.applies(torch.zeros(4, 4))
+    torch.testing.assert_close(out, materialised(module, "entmax15", q, k, v, masks()["causal"], 0.4),
+                               rtol=1e-5, atol=2e-6)
