@@ -373,18 +373,34 @@ class SupportMapping(torch.autograd.Function):
     backward and Hessian-vector products are exact wherever the support is
     locally constant, provided ``weights_fn`` has an exact derivative on
     ``p = 0`` too (the support indicator, ``p``, or :func:`support_power`).
+
+    ``alpha`` and ``threshold`` (or None): the mapping as alpha-entmax (2 for sparsemax, 1.5 for 1.5-entmax) and
+    its eager exact ``threshold(rows, masked, alpha)``; attention-sized float32 rows then take one compiled kernel
+    forward and one backward (:func:`.compiled.mapping`), the same values.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, rows_fn, weights_fn) -> torch.Tensor:
-        out = map_rows(x, dim, lambda rows: rows_fn(rows, masked_below(x.dtype)))
-        ctx.dim, ctx.weights_fn = dim, weights_fn
+    def forward(ctx, x: torch.Tensor, dim: int, rows_fn, weights_fn, alpha=None, threshold=None) -> torch.Tensor:
+        out = None
+        if alpha is not None and not torch.compiler.is_compiling():
+            from . import compiled  # here, not at the top: compiled imports this module
+
+            out = compiled.mapping(x, dim, alpha, threshold)
+        if out is None:
+            out = map_rows(x, dim, lambda rows: rows_fn(rows, masked_below(x.dtype)))
+        ctx.dim, ctx.weights_fn, ctx.alpha = dim, weights_fn, alpha
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (p,) = ctx.saved_tensors
+        if ctx.alpha is not None and not torch.compiler.is_compiling():
+            from . import compiled
+
+            found = compiled.mapping_vjp(p, grad, ctx.dim, ctx.alpha, False)
+            if found is not None:
+                return found[0], None, None, None, None, None
         dtype = work_dtype(grad.dtype)
         dx = support_backward(grad.to(dtype), ctx.weights_fn(p.to(dtype)), ctx.dim)
-        return dx.to(grad.dtype), None, None, None
+        return dx.to(grad.dtype), None, None, None, None, None

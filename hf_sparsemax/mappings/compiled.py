@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ._core import threshold_map
-from ._sync_free import newton_certified
+from ._core import masked_below, threshold_map
+from ._sync_free import SHORT_ROWS, newton_certified
 from ._sync_free import threshold_map as sync_free_map
 from .entmax import entmax_vjp
 
@@ -78,6 +78,19 @@ def run(fn: Callable, *args):
         return None
 
 
+def settle(rows, masked, alpha, threshold, found):
+    """``(p, (shift, tau))`` from the compiled kernel's answer, the rows it did not certify solved again by the eager
+    exact ``threshold`` (rare)."""
+    p, shift, tau, done = found
+    todo = (~done).squeeze(1).nonzero().squeeze(1)
+    if todo.numel():
+        row_alpha = alpha.index_select(0, todo) if isinstance(alpha, torch.Tensor) else alpha
+        sub = rows.index_select(0, todo)
+        shift[todo], tau[todo] = threshold(sub, masked, row_alpha)
+        p[todo] = threshold_map(sub, shift[todo], tau[todo], row_alpha - 1, 1 / (row_alpha - 1))
+    return p, (shift, tau)
+
+
 def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, threshold: Callable):
     """``(p, (shift, tau))`` of ``[rows, n]`` scores; ``threshold(rows, masked, alpha)`` is the eager exact solver.
 
@@ -88,14 +101,7 @@ def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, thre
     if found is None:
         shift, tau = threshold(rows, masked, alpha)
         return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), (shift, tau)
-    p, shift, tau, done = found
-    todo = (~done).squeeze(1).nonzero().squeeze(1)
-    if todo.numel():  # not certified by the fixed passes: the eager exact solver on those rows
-        row_alpha = alpha.index_select(0, todo) if isinstance(alpha, torch.Tensor) else alpha
-        sub = rows.index_select(0, todo)
-        shift[todo], tau[todo] = threshold(sub, masked, row_alpha)
-        p[todo] = threshold_map(sub, shift[todo], tau[todo], row_alpha - 1, 1 / (row_alpha - 1))
-    return p, (shift, tau)
+    return settle(rows, masked, alpha, threshold, found)
 
 
 def weights_vjp(rows: torch.Tensor, state, grad: torch.Tensor, alpha, alpha_grad: bool):
@@ -110,3 +116,38 @@ def weights_vjp(rows: torch.Tensor, state, grad: torch.Tensor, alpha, alpha_grad
         return found
     p = threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows)
     return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
+
+
+def last_dim_rows(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The ``[rows, n]`` view of ``x`` for the mapping functions' compiled path, or None where that path does not
+    apply: ``dim`` last, attention-sized rows (``n <= SHORT_ROWS``; wider rows, such as a vocabulary, are solved
+    faster on their top candidates by the eager solver), and :func:`applies`."""
+    if (torch.compiler.is_compiling() or x.numel() == 0 or dim % x.dim() != x.dim() - 1
+            or x.shape[-1] > SHORT_ROWS):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if applies(rows) else None
+
+
+def mapping(x: torch.Tensor, dim: int, alpha: float | torch.Tensor, threshold: Callable) -> torch.Tensor | None:
+    """alpha-entmax of ``x`` along ``dim`` (``alpha`` a float or ``[rows, 1]``) in one compiled kernel, or None
+    where that path does not apply (the caller's eager solver then): the exact threshold as :func:`weights`."""
+    rows = last_dim_rows(x, dim)
+    found = None if rows is None else run(solve_and_map, rows, alpha, masked_below(x.dtype))
+    if found is None:
+        return None
+    return settle(rows, masked_below(x.dtype), alpha, threshold, found)[0].view(x.shape)
+
+
+def output_vjp(p, grad, alpha, alpha_grad: bool):
+    return entmax_vjp(p, grad, alpha, -1, alpha_grad)
+
+
+def mapping_vjp(p: torch.Tensor, grad: torch.Tensor, dim: int, alpha: float | torch.Tensor, alpha_grad: bool):
+    """``(J_x^T grad, J_alpha^T grad per row [rows, 1] or None)`` of alpha-entmax at its output ``p`` in one compiled
+    kernel, or None where that path does not apply (or a graph of the backward is asked for: double backward)."""
+    rows = None if torch.is_grad_enabled() or grad.dtype != p.dtype else last_dim_rows(p, dim)
+    if rows is None or not grad.is_contiguous():
+        return None
+    found = run(output_vjp, rows, grad.reshape(rows.shape), alpha, alpha_grad)
+    return None if found is None else (found[0].view(p.shape), found[1])

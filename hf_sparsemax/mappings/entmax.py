@@ -221,7 +221,14 @@ class EntmaxBisectFunction(torch.autograd.Function):
                 rows, a = rows.double(), a.double() if isinstance(a, torch.Tensor) else a
             return entmax_bisect_rows(rows, a, masked_below(x.dtype), n_iter)[0]
 
-        out = map_rows(x, dim, rows_fn)
+        out = None
+        if (n_iter is None and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+                and precise_in_float32(alpha_rows)):
+            from . import compiled  # here, not at the top: compiled imports this module
+
+            out = compiled.mapping(x, dim, alpha_rows, lambda rows, masked, a: entmax_bisect_threshold(rows, a, masked))
+        if out is None:
+            out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
         ctx.alpha = None if ctx.alpha_is_tensor else alpha  # a float stays a float: no .item() in backward
         ctx.save_for_backward(out, *((alpha,) if ctx.alpha_is_tensor else ()))
@@ -233,9 +240,21 @@ class EntmaxBisectFunction(torch.autograd.Function):
         p, *saved = ctx.saved_tensors
         dtype = work_dtype(grad.dtype)
         alpha = saved[0] if ctx.alpha_is_tensor else ctx.alpha  # a float stays a float: no .item() when compiled
-        a = alpha.to(dtype) if ctx.alpha_is_tensor else alpha
         alpha_grad = ctx.alpha_is_tensor and ctx.needs_input_grad[1]
-        dx, d_alpha = entmax_vjp(p.to(dtype), grad.to(dtype), a, ctx.dim, alpha_grad)
+        found = None
+        if not torch.compiler.is_compiling():
+            from . import compiled
+
+            if compiled.last_dim_rows(p, ctx.dim) is not None:  # attention-sized float32 rows: one compiled kernel
+                rows_alpha = row_alpha(alpha, p, ctx.dim) if ctx.alpha_is_tensor else alpha
+                found = compiled.mapping_vjp(p, grad, ctx.dim, rows_alpha, alpha_grad)
+        if found is not None:
+            dx, d_alpha = found
+            if d_alpha is not None:  # [rows, 1] in the order of the rows of p: back to p's layout, then alpha's
+                d_alpha = d_alpha.view(*p.shape[:-1], 1)
+        else:
+            a = alpha.to(dtype) if ctx.alpha_is_tensor else alpha
+            dx, d_alpha = entmax_vjp(p.to(dtype), grad.to(dtype), a, ctx.dim, alpha_grad)
         if d_alpha is not None:
             d_alpha = d_alpha.sum_to_size(alpha.shape).to(alpha.dtype)
         return dx.to(grad.dtype), d_alpha, None, None
@@ -270,7 +289,8 @@ def entmax15(x: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tens
     """
     dim = check_input(x, dim)
     k = check_k(k)
-    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked, k)[0], sqrt_on_support)
+    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked, k)[0], sqrt_on_support,
+                                1.5, lambda rows, masked, alpha: entmax15_threshold(rows, masked))
 
 
 def sparsemax_bisect(x: torch.Tensor, dim: int = -1, n_iter: int | None = None) -> torch.Tensor:

@@ -261,4 +261,5 @@ def sparse_softmax(
     """
     dim = check_input(x, dim)
     top_k, top_p = check_top(top_k, top_p)
-    return SupportMapping.apply(x, dim, lambda rows, masked: sparse_softmax_rows(rows, top_k, top_p, masked), lambda p: p)
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparse_softmax_rows(rows, top_k, top_p, masked), lambda p: p,
+                               None, None)
