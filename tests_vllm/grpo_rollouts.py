@@ -23,12 +23,12 @@ import warnings
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_sparsemax as hs  # noqa: E402
-from hf_sparsemax.serving import vllm_generation_kwargs  # noqa: E402
+import hf_sparsemax as hs
+from hf_sparsemax.serving import vllm_generation_kwargs
 
 TOP_K = 3
 PROMPTS = ["The capital of France is", "Once upon a time, a little", "def fibonacci(n):", "My favourite food is"]
@@ -55,7 +55,7 @@ def run(case, folder):
     generate = grpo.vllm_generation.generate
 
     def checked_generate(*a, **kw):
-        prompt_ids, completion_ids, logprobs, logprob_token_ids = out = generate(*a, **kw)
+        prompt_ids, completion_ids, logprobs, _ = out = generate(*a, **kw)
         seen["generations"] += 1
         for prompt, completion, returned in zip(prompt_ids, completion_ids, logprobs):
             ids = torch.tensor([list(prompt) + list(completion)])

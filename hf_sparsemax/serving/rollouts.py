@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..mappings import registry
 from ..settings import CONFIG_KEY, SparseSettings
@@ -67,7 +68,8 @@ def vllm_generation_kwargs(model, generation_kwargs: Mapping[str, Any] | None = 
     settings = SparseSettings.from_config(model.config)
     refuse_attention(settings)
     kwargs = dict(generation_kwargs or {})
-    kept = {k: v for k, v in dict(kwargs.get("extra_args") or {}).items() if k != KEY and not k.startswith(OPTION_PREFIX)}
+    kept = {key: value for key, value in dict(kwargs.get("extra_args") or {}).items()
+            if key != KEY and not key.startswith(OPTION_PREFIX)}
     kwargs["extra_args"] = {**kept, **extra_args(trained_choice(settings))}
     return kwargs
 
