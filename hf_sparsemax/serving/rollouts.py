@@ -11,8 +11,8 @@ by vLLM when hf_sparsemax is installed in its environment) knows the loss: from 
 saved settings, or from the request's ``extra_args``. A model patched in memory after
 ``from_pretrained(base_folder)`` has neither: ``model.name_or_path`` is the base folder, and vLLM would
 sample plain softmax while the loss trains a sparse distribution. Under top-k sparse softmax most of
-those tokens lie outside the trained support, their trained probability is 0, and TRL's importance
-sampling correction turns their weight to 0: GRPO trains nothing, without a word.
+those tokens lie outside the trained support (trained probability 0); TRL's importance-sampling ratios
+for them come out 0, and GRPO trains nothing, without a word (measured: loss 0, grad norm 0).
 
 - :func:`vllm_generation_kwargs` gives the ``GRPOConfig(generation_kwargs=...)`` that names the model's
   trained loss in every rollout request (``extra_args``; :mod:`.decoding` reads them).
