@@ -24,11 +24,18 @@ around it without a word:
   the logits under softmax (ORPO's NLL term is dense cross-entropy): refused
   under every patched loss.
 
+One more setting routes around the distribution the loss trains, rather than the loss: TRL's online trainers with
+``use_vllm=True`` draw their rollouts from vLLM, which samples plain softmax unless hf_sparsemax's logits
+processor knows the trained loss (from the folder vLLM loads, or from ``generation_kwargs``); such a trainer
+is refused until it does (:mod:`hf_sparsemax.serving.rollouts`, whose ``vllm_generation_kwargs(model)`` is
+the fix), as is one under sparse attention, which vLLM's kernels do not compute.
+
 The check runs in a forward pre-hook of the patched model, only on the calls
 these trainers make (a training-mode forward with no ``labels``, or TRL's
 ``fused_lm_head=True`` request): it looks up the call stack for the
-``Trainer.compute_loss`` that made the call and reads its settings. Nothing
-of transformers or TRL is imported or rebound.
+``Trainer.compute_loss`` (for the rollout check, also ``training_step``) that
+made the call and reads its settings. Nothing of transformers or TRL is
+imported or rebound.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import sys
 
 import torch
 
+from .serving.rollouts import rollout_refusal
+
 HOOK_ATTR = "_hf_sparsemax_trainer_guard"
 
 STACK_DEPTH = 40  # frames searched above the model's pre-hook (wrappers: DDP, peft, accelerate's autocast)
@@ -45,16 +54,23 @@ STACK_DEPTH = 40  # frames searched above the model's pre-hook (wrappers: DDP, p
 
 def calling_trainer():
     """The transformers ``Trainer`` whose ``compute_loss`` (or an override of it) made this call, or None."""
-    frame = sys._getframe(1)
+    trainer, method = trainer_on_stack(sys._getframe(1))
+    return trainer if method == "compute_loss" else None
+
+
+def trainer_on_stack(frame, methods=("compute_loss", "training_step")):
+    """The nearest transformers ``Trainer`` method of ``methods`` above ``frame``: ``(trainer, method name)``, or
+    ``(None, None)``. ``training_step`` also covers what a trainer runs before ``compute_loss`` (TRL's online
+    trainers generate and score their rollouts there)."""
     for _ in range(STACK_DEPTH):
         if frame is None:
-            return None
-        if frame.f_code.co_name == "compute_loss":
+            break
+        if frame.f_code.co_name in methods:
             owner = frame.f_locals.get("self")
             if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in type(owner).__mro__):
-                return owner
+                return owner, frame.f_code.co_name
         frame = frame.f_back
-    return None
+    return None, None
 
 
 def refusal(trainer, loss: str, loss_rule: str, asked_for_tokens: bool = True) -> str | None:
@@ -95,8 +111,12 @@ def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:
     trains_without_labels = module.training and torch.is_grad_enabled() and kwargs.get("labels") is None
     if not (asked_for_tokens or trains_without_labels):
         return
-    trainer = calling_trainer()
-    reason = None if trainer is None else refusal(trainer, loss, loss_rule, asked_for_tokens)
+    trainer, method = trainer_on_stack(sys._getframe(1))
+    if trainer is None:
+        return
+    reason = refusal(trainer, loss, loss_rule, asked_for_tokens) if method == "compute_loss" else None
+    if reason is None:
+        reason = rollout_refusal(trainer, module)
     if reason is not None:
         raise ValueError(reason)
 

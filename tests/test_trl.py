@@ -382,3 +382,94 @@ def test_trl_trainers_that_compute_their_own_objective_from_the_logits_are_refus
     sft = object.__new__(SFTTrainer)
     sft.args = types.SimpleNamespace(loss_type="nll")
     assert refusal(sft, loss, rule, asked_for_tokens=False) is None  # SFT: its compute_loss_func route is its own
+
+
+def rollout_trainer(trainer_name="GRPOTrainer", folder=None, **args):
+    """A TRL online trainer as the guard reads it: ``args`` and ``model.name_or_path`` (no vLLM needed)."""
+    import types
+
+    import trl
+
+    online = object.__new__(getattr(trl, trainer_name))
+    settings = {"use_vllm": True, "vllm_mode": "colocate", "generation_kwargs": None, "top_k": 0, "top_p": 1.0}
+    online.args = types.SimpleNamespace(**{**settings, **args})
+    online.model = types.SimpleNamespace(name_or_path=str(folder) if folder is not None else "")
+    return online
+
+
+def test_vllm_rollouts_must_sample_the_trained_distribution(tmp_path):
+    """use_vllm=True: vLLM loads model.name_or_path; from a base folder it samples softmax unless told the loss."""
+    from hf_sparsemax.serving import vllm_generation_kwargs
+    from hf_sparsemax.serving.rollouts import rollout_refusal
+
+    base = tmp_path / "base"
+    tiny_lm().save_pretrained(base)
+    model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 5})
+    reason = rollout_refusal(rollout_trainer(folder=base), model)
+    assert reason.startswith("GRPOTrainer with use_vllm=True would sample its rollouts with vLLM from softmax")
+    assert "sparse_softmax(top_k=5)" in reason and "vllm_generation_kwargs(model)" in reason
+    assert rollout_refusal(rollout_trainer(folder=base, use_vllm=False), model) is None
+    kwargs = vllm_generation_kwargs(model, {"max_tokens": 9, "extra_args": {"mine": 1, "hf_sparsemax": "off"}})
+    assert kwargs == {"max_tokens": 9, "extra_args": {"mine": 1, "hf_sparsemax": "sparse_softmax",
+                                                       "hf_sparsemax_top_k": 5}}
+    for name in ("GRPOTrainer", "RLOOTrainer"):
+        for mode in ("colocate", "server"):
+            assert rollout_refusal(rollout_trainer(name, base, vllm_mode=mode, generation_kwargs=kwargs), model) is None
+    assert rollout_refusal(rollout_trainer(folder=base, top_k=5), model) is None  # vLLM's own top-k samples it
+    assert rollout_refusal(rollout_trainer(folder=base, top_k=5, vllm_mode="server"), model) is None
+    assert "sparse_softmax(top_k=5)" in rollout_refusal(rollout_trainer(folder=base, top_k=4), model)
+
+    saved = tmp_path / "patched"  # a saved patched folder: vLLM's processor reads the loss from it, no flag
+    copy.deepcopy(model).save_pretrained(saved)
+    assert rollout_refusal(rollout_trainer(folder=saved), model) is None
+    server = rollout_refusal(rollout_trainer(folder=saved, vllm_mode="server"), model)  # the server's folder is unseen
+    assert "vllm_mode='server'" in server and "hf-sparsemax in the server's environment" in server
+    other = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 3})
+    assert "from sparse_softmax(top_k=5) (from the folder it loads" in rollout_refusal(rollout_trainer(folder=saved),
+                                                                                        other)
+    wrong = {"extra_args": {"hf_sparsemax": "sparsemax"}}
+    assert "from sparsemax() (from its generation_kwargs' extra_args)" in rollout_refusal(
+        rollout_trainer(folder=saved, generation_kwargs=wrong), model)
+    bad = {"extra_args": {"hf_sparsemax": "nope"}}
+    assert "extra_args'] is refused" in rollout_refusal(rollout_trainer(folder=base, generation_kwargs=bad), model)
+
+
+def test_vllm_rollouts_are_refused_under_sparse_attention(tmp_path):
+    """vLLM's attention kernels compute softmax: rollouts of a sparse-attention model would be another model's."""
+    from hf_sparsemax.serving import vllm_generation_kwargs
+    from hf_sparsemax.serving.rollouts import rollout_refusal
+
+    model = hs.patch_model(tiny_lm(), attn="entmax15", loss="sparse_softmax", loss_options={"top_k": 5})
+    reason = rollout_refusal(rollout_trainer(generation_kwargs={"extra_args": {"hf_sparsemax": "sparse_softmax",
+                                                                               "hf_sparsemax_top_k": 5}}), model)
+    assert "entmax15 attention" in reason and "use_vllm=False" in reason
+    with pytest.raises(ValueError, match="vLLM's attention kernels compute softmax"):
+        vllm_generation_kwargs(model)
+    assert vllm_generation_kwargs(tiny_lm()) == {"extra_args": {"hf_sparsemax": "off"}}  # cross-entropy: softmax
+
+
+def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(tmp_path):
+    """The guard reads use_vllm at the first forward GRPO makes after its first rollouts: no step is taken.
+
+    The trainer is built without vLLM (not installed here) and then told use_vllm=True, which is what the guard
+    reads; its rollouts come from transformers' generate, and the guard refuses at its first scoring forward.
+    """
+    from trl import GRPOConfig, GRPOTrainer
+
+    tiny_lm().save_pretrained(tmp_path / "base")
+    model = hs.patch_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), loss="sparse_softmax",
+                           loss_options={"top_k": 5})
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grpo = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                           args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
+                           processing_class=tokenizer())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        grpo.args.use_vllm = True
+        with pytest.raises(ValueError, match="use_vllm=True would sample its rollouts with vLLM from softmax"):
+            grpo.train()
+    assert grpo.state.global_step == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
