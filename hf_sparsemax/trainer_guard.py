@@ -48,6 +48,7 @@ import torch
 from .serving.rollouts import rollout_refusal
 
 HOOK_ATTR = "_hf_sparsemax_trainer_guard"
+ROLLOUT_HOOK_ATTR = "_hf_sparsemax_rollout_guard"
 
 STACK_DEPTH = 40  # frames searched above the model's pre-hook (wrappers: DDP, peft, accelerate's autocast)
 
@@ -105,8 +106,9 @@ def trl_beyond_sft(trainer) -> bool:
     return from_trl and not any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl") for c in classes)
 
 
-def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:
-    """Raise ``ValueError`` when a trainer is about to train something else than the patched loss."""
+def check_trainer(module, kwargs: dict, loss: str | None, loss_rule: str | None) -> None:
+    """Raise ``ValueError`` when a trainer is about to train something else than the patched loss (``loss=None``:
+    a model with sparse attention and no sparse loss; only its vLLM rollouts are checked)."""
     asked_for_tokens = bool(kwargs.get("fused_lm_head"))
     trains_without_labels = module.training and torch.is_grad_enabled() and kwargs.get("labels") is None
     if not (asked_for_tokens or trains_without_labels):
@@ -114,7 +116,9 @@ def check_trainer(module, kwargs: dict, loss: str, loss_rule: str) -> None:
     trainer, method = trainer_on_stack(sys._getframe(1))
     if trainer is None:
         return
-    reason = refusal(trainer, loss, loss_rule, asked_for_tokens) if method == "compute_loss" else None
+    reason = None
+    if loss is not None and method == "compute_loss":
+        reason = refusal(trainer, loss, loss_rule, asked_for_tokens)
     if reason is None:
         reason = rollout_refusal(trainer, module)
     if reason is not None:
@@ -137,6 +141,20 @@ def remove_trainer_guard(model) -> None:
         handle.remove()
 
 
-def pre_hook(module, args, kwargs, loss: str, loss_rule: str):
+def install_rollout_guard(model) -> None:
+    """For a model with sparse attention: refuse TRL's vLLM rollouts (vLLM's attention kernels compute softmax), also
+    when no sparse loss (whose guard checks them too) is patched. Undone by :func:`remove_rollout_guard`."""
+    remove_rollout_guard(model)
+    guard = functools.partial(pre_hook, loss=None, loss_rule=None)
+    setattr(model, ROLLOUT_HOOK_ATTR, model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True))
+
+
+def remove_rollout_guard(model) -> None:
+    handle = vars(model).pop(ROLLOUT_HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+
+
+def pre_hook(module, args, kwargs, loss: str | None, loss_rule: str | None):
     check_trainer(module, kwargs, loss, loss_rule)
     return None

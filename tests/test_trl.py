@@ -448,7 +448,12 @@ def test_vllm_rollouts_are_refused_under_sparse_attention(tmp_path):
     assert vllm_generation_kwargs(tiny_lm()) == {"extra_args": {"hf_sparsemax": "off"}}  # cross-entropy: softmax
 
 
-def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(tmp_path):
+@pytest.mark.parametrize("patch, refused", [
+    ({"loss": "sparse_softmax", "loss_options": {"top_k": 5}}, "use_vllm=True would sample its rollouts with vLLM "
+                                                               "from softmax"),
+    ({"attn": "entmax15"}, "entmax15 attention"),  # sparse attention alone (no sparse loss) is refused too
+])
+def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(tmp_path, patch, refused):
     """The guard reads use_vllm at the first forward GRPO makes after its first rollouts: no step is taken.
 
     The trainer is built without vLLM (not installed here) and then told use_vllm=True, which is what the guard
@@ -457,8 +462,7 @@ def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(t
     from trl import GRPOConfig, GRPOTrainer
 
     tiny_lm().save_pretrained(tmp_path / "base")
-    model = hs.patch_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), loss="sparse_softmax",
-                           loss_options={"top_k": 5})
+    model = hs.patch_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), **patch)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                       disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
@@ -469,7 +473,7 @@ def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(t
                            processing_class=tokenizer())
         before = {k: v.clone() for k, v in model.state_dict().items()}
         grpo.args.use_vllm = True
-        with pytest.raises(ValueError, match="use_vllm=True would sample its rollouts with vLLM from softmax"):
+        with pytest.raises(ValueError, match=refused):
             grpo.train()
     assert grpo.state.global_step == 0
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
