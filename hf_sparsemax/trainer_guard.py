@@ -130,27 +130,32 @@ def install_trainer_guard(model, loss: str, loss_rule: str) -> None:
 
     Registered before any other pre-hook of this library (it must see ``fused_lm_head`` before it is translated).
     """
-    remove_trainer_guard(model)
-    guard = functools.partial(pre_hook, loss=loss, loss_rule=loss_rule)
-    setattr(model, HOOK_ATTR, model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True))
+    install_hook(model, HOOK_ATTR, loss, loss_rule)
 
 
 def remove_trainer_guard(model) -> None:
-    handle = vars(model).pop(HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
+    remove_hook(model, HOOK_ATTR)
 
 
 def install_rollout_guard(model) -> None:
     """For a model with sparse attention: refuse TRL's vLLM rollouts (vLLM's attention kernels compute softmax), also
     when no sparse loss (whose guard checks them too) is patched. Undone by :func:`remove_rollout_guard`."""
-    remove_rollout_guard(model)
-    guard = functools.partial(pre_hook, loss=None, loss_rule=None)
-    setattr(model, ROLLOUT_HOOK_ATTR, model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True))
+    install_hook(model, ROLLOUT_HOOK_ATTR, None, None)
 
 
 def remove_rollout_guard(model) -> None:
-    handle = vars(model).pop(ROLLOUT_HOOK_ATTR, None)
+    remove_hook(model, ROLLOUT_HOOK_ATTR)
+
+
+def install_hook(model, attr: str, loss: str | None, loss_rule: str | None) -> None:
+    """The guard's pre-hook on ``model``, first of its pre-hooks, its handle kept as ``attr`` (replacing one there)."""
+    remove_hook(model, attr)
+    guard = functools.partial(pre_hook, loss=loss, loss_rule=loss_rule)
+    setattr(model, attr, model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True))
+
+
+def remove_hook(model, attr: str) -> None:
+    handle = vars(model).pop(attr, None)
     if handle is not None:
         handle.remove()
 
