@@ -15,6 +15,12 @@ non-float32 rows use the eager solver; so does everything when compiling is
 not possible (no C++ compiler: one warning) or when the environment variable
 ``HF_SPARSEMAX_COMPILED_SOLVER=0`` is set. Callers need not use
 ``torch.compile`` themselves.
+
+Two callers: the memory-bounded attention (:func:`weights`, :func:`weights_vjp`
+on each block of scores) and the mapping functions ``sparsemax``, ``entmax15``
+and ``entmax_bisect`` on attention-sized rows (:func:`mapping`,
+:func:`mapping_vjp`: the last dimension, at most ``SHORT_ROWS`` wide; wider
+rows, such as a vocabulary, are solved faster on their top candidates).
 """
 
 from __future__ import annotations
