@@ -59,6 +59,14 @@ def module_for(setup: str, dtype=torch.float32) -> tuple[torch.nn.Module, str]:
 
 
 def materialised(module, setup, q, k, v, mask, scaling):
+    """The reference: the library's mappings on the whole score matrix, on their eager solvers (not the compiled
+    kernels under test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(compiled.ENVIRONMENT, "0")
+        return materialised_eagerly(module, setup, q, k, v, mask, scaling)
+
+
+def materialised_eagerly(module, setup, q, k, v, mask, scaling):
     attn, options = SETUPS[setup]
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -173,14 +181,24 @@ def compiled_kernels(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     monkeypatch.setattr(compiled, "_failed", [])
     monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
+    fresh_compiler()
+    yield
+    fresh_compiler()
+
+
+def fresh_compiler():
+    """Forget compiled graphs (dynamo's recompile count per function is global: other tests' shapes must not use
+    up this test's)."""
+    torch._dynamo.reset()
+    compiled.compiled.cache_clear()
 
 
 @pytest.mark.parametrize("setup", ["sparsemax", "learned"])
 def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
     monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 100)
     calls = []
-    original = compiled.compiled
-    monkeypatch.setattr(compiled, "compiled", lambda fn, backend: calls.append(fn.__name__) or original(fn, backend))
+    original = compiled.run
+    monkeypatch.setattr(compiled, "run", lambda fn, *args: calls.append(fn.__name__) or original(fn, *args))
     module, attn = module_for(setup)
     q, k, v = inputs()
     mask = masks()["causal+padding"]
@@ -206,7 +224,9 @@ def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(comp
         return shift, tau + 0.25, size, done & (torch.arange(rows.shape[0]) % 2 == 0).unsqueeze(1)
 
     rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
-    reference = hs.sparsemax(rows)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(compiled.ENVIRONMENT, "0")
+        reference = hs.sparsemax(rows)
     monkeypatch.setattr(compiled, "newton_certified", uncertain)
     eager = lambda r, masked, alpha: sparsemax_threshold(r, masked)  # noqa: E731
     p, (shift, tau) = compiled.weights(rows.clone(), MIN, 2.0, eager)
@@ -216,7 +236,9 @@ def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(comp
     p_again, d_rows, _ = compiled.weights_vjp(rows.clone(), (shift, tau), grad, 2.0, False)
     x = rows.clone().requires_grad_()
     torch.testing.assert_close(p_again, p, rtol=0, atol=1e-7)
-    expected = torch.autograd.grad(hs.sparsemax(x), x, grad)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(compiled.ENVIRONMENT, "0")
+        expected = torch.autograd.grad(hs.sparsemax(x), x, grad)[0]
     torch.testing.assert_close(d_rows[1::2], expected[1::2], rtol=1e-5, atol=1e-6)
 
 

@@ -364,6 +364,28 @@ def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> tor
     return sg.addcmul_(weights, mean, value=-1)
 
 
+def entmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool):
+    """``(J_x^T g, J_alpha^T g)`` of alpha-entmax at its output ``p`` (the second summed along ``dim``, or None).
+
+    With ``s = p ** (2 - alpha)`` on the support: ``dx = s g - s sum(s g) / sum(s)``; with
+    ``s^ = s / sum(s)`` and ``beta = 1 / (alpha - 1)``:
+    ``dp/dalpha = beta**2 (p - s^) - beta (p log p - s^ sum(p log p))``.
+    Differentiable operations on ``p`` and ``alpha`` only, exact at ``p = 0``
+    (:func:`support_power`), so double backward through ``p`` is exact.
+    """
+    weights = support_power(p, 2 - alpha)
+    d_alpha = None
+    if alpha_grad:
+        beta = 1 / (alpha - 1)
+        skewed = weights / weights.sum(dim, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+        support = p > 0
+        plogp = torch.where(support, p * torch.where(support, p, 1).log(), 0)
+        entropy_term = plogp.sum(dim, keepdim=True)
+        dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
+        d_alpha = (g * dp).sum(dim, keepdim=True)
+    return support_backward(g, weights, dim), d_alpha
+
+
 class SupportMapping(torch.autograd.Function):
     """A mapping whose Jacobian ``diag(s) - s s^T / sum(s)`` depends on its output only, ``s = weights_fn(p)``.
 
@@ -374,33 +396,29 @@ class SupportMapping(torch.autograd.Function):
     locally constant, provided ``weights_fn`` has an exact derivative on
     ``p = 0`` too (the support indicator, ``p``, or :func:`support_power`).
 
-    ``alpha`` and ``threshold`` (or None): the mapping as alpha-entmax (2 for sparsemax, 1.5 for 1.5-entmax) and
-    its eager exact ``threshold(rows, masked, alpha)``; attention-sized float32 rows then take one compiled kernel
-    forward and one backward (:func:`.compiled.mapping`), the same values.
+    ``kernels`` (a :class:`.compiled.RowKernels`, or None): the mapping's compiled path; attention-sized float32
+    rows then take one compiled kernel forward and one backward, the same values as ``rows_fn`` and
+    ``weights_fn`` (which every other input keeps).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, rows_fn, weights_fn, alpha=None, threshold=None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, rows_fn, weights_fn, kernels=None) -> torch.Tensor:
         out = None
-        if alpha is not None and not torch.compiler.is_compiling():
-            from . import compiled  # here, not at the top: compiled imports this module
-
-            out = compiled.mapping(x, dim, alpha, threshold)
+        if kernels is not None and not torch.compiler.is_compiling():
+            out = kernels.forward(x, dim)
         if out is None:
             out = map_rows(x, dim, lambda rows: rows_fn(rows, masked_below(x.dtype)))
-        ctx.dim, ctx.weights_fn, ctx.alpha = dim, weights_fn, alpha
+        ctx.dim, ctx.weights_fn, ctx.kernels = dim, weights_fn, kernels
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (p,) = ctx.saved_tensors
-        if ctx.alpha is not None and not torch.compiler.is_compiling():
-            from . import compiled
-
-            found = compiled.mapping_vjp(p, grad, ctx.dim, ctx.alpha, False)
-            if found is not None:
-                return found[0], None, None, None, None, None
-        dtype = work_dtype(grad.dtype)
-        dx = support_backward(grad.to(dtype), ctx.weights_fn(p.to(dtype)), ctx.dim)
-        return dx.to(grad.dtype), None, None, None, None, None
+        dx = None
+        if ctx.kernels is not None and not torch.compiler.is_compiling():
+            dx = ctx.kernels.vjp(p, grad, ctx.dim)
+        if dx is None:
+            dtype = work_dtype(grad.dtype)
+            dx = support_backward(grad.to(dtype), ctx.weights_fn(p.to(dtype)), ctx.dim).to(grad.dtype)
+        return dx, None, None, None, None

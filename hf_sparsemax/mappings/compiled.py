@@ -28,14 +28,13 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-from ._core import masked_below, threshold_map
+from ._core import entmax_vjp, masked_below, threshold_map
 from ._sync_free import SHORT_ROWS, newton_certified
 from ._sync_free import threshold_map as sync_free_map
-from .entmax import entmax_vjp
 
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
 BACKEND = "inductor"
@@ -157,3 +156,18 @@ def mapping_vjp(p: torch.Tensor, grad: torch.Tensor, dim: int, alpha: float | to
         return None
     found = run(output_vjp, rows, grad.reshape(rows.shape), alpha, alpha_grad)
     return None if found is None else (found[0].view(p.shape), found[1])
+
+
+class RowKernels(NamedTuple):
+    """The compiled path of a :class:`._core.SupportMapping` that is alpha-entmax at ``alpha`` (2: sparsemax, 1.5:
+    1.5-entmax), with its eager exact ``threshold(rows, masked, alpha)`` for the rows the kernel does not certify."""
+
+    alpha: float
+    threshold: Callable
+
+    def forward(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        return mapping(x, dim, self.alpha, self.threshold)
+
+    def vjp(self, p: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor | None:
+        found = mapping_vjp(p, grad, dim, self.alpha, False)
+        return None if found is None else found[0]

@@ -28,17 +28,19 @@ import numbers
 
 import torch
 
+from .compiled import RowKernels, last_dim_rows, mapping_vjp
+from .compiled import mapping as compiled_mapping
 from ._sync_free import SOLVERS
 from ._sync_free import bisect_solve as sync_free_bisect
 from ._core import (
     SupportMapping,
     check_input,
+    entmax_vjp,
     map_rows,
     masked_below,
     row_alpha,
     find_threshold,
     solve_on_top,
-    support_backward,
     support_power,
     threshold_map,
     threshold_support,
@@ -183,28 +185,6 @@ def entmax_bisect_support(
     return (*threshold_support(rows, top1, tau, size, alpha - 1, 1 / (alpha - 1)), tau)
 
 
-def entmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool):
-    """``(J_x^T g, J_alpha^T g)`` of alpha-entmax at its output ``p`` (the second summed along ``dim``, or None).
-
-    With ``s = p ** (2 - alpha)`` on the support: ``dx = s g - s sum(s g) / sum(s)``; with
-    ``s^ = s / sum(s)`` and ``beta = 1 / (alpha - 1)``:
-    ``dp/dalpha = beta**2 (p - s^) - beta (p log p - s^ sum(p log p))``.
-    Differentiable operations on ``p`` and ``alpha`` only, exact at ``p = 0``
-    (:func:`support_power`), so double backward through ``p`` is exact.
-    """
-    weights = support_power(p, 2 - alpha)
-    d_alpha = None
-    if alpha_grad:
-        beta = 1 / (alpha - 1)
-        skewed = weights / weights.sum(dim, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-        support = p > 0
-        plogp = torch.where(support, p * torch.where(support, p, 1).log(), 0)
-        entropy_term = plogp.sum(dim, keepdim=True)
-        dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
-        d_alpha = (g * dp).sum(dim, keepdim=True)
-    return support_backward(g, weights, dim), d_alpha
-
-
 class EntmaxBisectFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha, dim: int, n_iter: int | None) -> torch.Tensor:
@@ -224,9 +204,7 @@ class EntmaxBisectFunction(torch.autograd.Function):
         out = None
         if (n_iter is None and x.dtype == torch.float32 and not torch.compiler.is_compiling()
                 and precise_in_float32(alpha_rows)):
-            from . import compiled  # here, not at the top: compiled imports this module
-
-            out = compiled.mapping(x, dim, alpha_rows, lambda rows, masked, a: entmax_bisect_threshold(rows, a, masked))
+            out = compiled_mapping(x, dim, alpha_rows, lambda rows, masked, a: entmax_bisect_threshold(rows, a, masked))
         if out is None:
             out = map_rows(x, dim, rows_fn)
         ctx.dim, ctx.alpha_is_tensor = dim, isinstance(alpha, torch.Tensor)
@@ -242,12 +220,9 @@ class EntmaxBisectFunction(torch.autograd.Function):
         alpha = saved[0] if ctx.alpha_is_tensor else ctx.alpha  # a float stays a float: no .item() when compiled
         alpha_grad = ctx.alpha_is_tensor and ctx.needs_input_grad[1]
         found = None
-        if not torch.compiler.is_compiling():
-            from . import compiled
-
-            if compiled.last_dim_rows(p, ctx.dim) is not None:  # attention-sized float32 rows: one compiled kernel
-                rows_alpha = row_alpha(alpha, p, ctx.dim) if ctx.alpha_is_tensor else alpha
-                found = compiled.mapping_vjp(p, grad, ctx.dim, rows_alpha, alpha_grad)
+        if not torch.compiler.is_compiling() and last_dim_rows(p, ctx.dim) is not None:  # one kernel
+            rows_alpha = row_alpha(alpha, p, ctx.dim) if ctx.alpha_is_tensor else alpha
+            found = mapping_vjp(p, grad, ctx.dim, rows_alpha, alpha_grad)
         if found is not None:
             dx, d_alpha = found
             if d_alpha is not None:  # [rows, 1] in the order of the rows of p: back to p's layout, then alpha's
@@ -289,8 +264,7 @@ def entmax15(x: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tens
     """
     dim = check_input(x, dim)
     k = check_k(k)
-    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked, k)[0], sqrt_on_support,
-                                1.5, lambda rows, masked, alpha: entmax15_threshold(rows, masked))
+    return SupportMapping.apply(x, dim, lambda rows, masked: entmax15_rows(rows, masked, k)[0], sqrt_on_support, KERNELS_15)
 
 
 def sparsemax_bisect(x: torch.Tensor, dim: int = -1, n_iter: int | None = None) -> torch.Tensor:
@@ -325,4 +299,5 @@ def entmax_bisect(
     return EntmaxBisectFunction.apply(x, alpha, dim, n_iter)
 
 
+KERNELS_15 = RowKernels(1.5, lambda rows, masked, alpha: entmax15_threshold(rows, masked))
 SOLVERS.update(entmax15_solve=entmax15_solve, bisect_solve=bisect_solve)  # for the compiled path's exact fallback

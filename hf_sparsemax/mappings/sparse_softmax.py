@@ -261,5 +261,4 @@ def sparse_softmax(
     """
     dim = check_input(x, dim)
     top_k, top_p = check_top(top_k, top_p)
-    return SupportMapping.apply(x, dim, lambda rows, masked: sparse_softmax_rows(rows, top_k, top_p, masked), lambda p: p,
-                               None, None)
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparse_softmax_rows(rows, top_k, top_p, masked), lambda p: p)

@@ -15,6 +15,7 @@ import numbers
 
 import torch
 
+from .compiled import RowKernels
 from ._core import SupportMapping, check_input, find_threshold, threshold_map, threshold_support
 from ._sync_free import SOLVERS
 
@@ -81,8 +82,8 @@ def sparsemax(x: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Ten
     """
     dim = check_input(x, dim)
     k = check_k(k)
-    return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked, k)[0], support_indicator,
-                                2.0, lambda rows, masked, alpha: sparsemax_threshold(rows, masked))
+    return SupportMapping.apply(x, dim, lambda rows, masked: sparsemax_rows(rows, masked, k)[0], support_indicator, KERNELS)
 
 
+KERNELS = RowKernels(2.0, lambda rows, masked, alpha: sparsemax_threshold(rows, masked))
 SOLVERS.update(sparsemax_solve=sparsemax_solve)  # for the compiled path's exact fallback
