@@ -1,4 +1,6 @@
-"""Hypothesis profiles: CI replays a fixed search (derandomized, so a submission that changed nothing cannot turn
+"""Shared fixtures, and the Hypothesis profiles.
+
+Hypothesis profiles: CI replays a fixed search (derandomized, so a submission that changed nothing cannot turn
 red by chance); a developer's run keeps searching randomly and prints the reproducing blob of any failure.
 
 ``HYPOTHESIS_PROFILE=dev`` or ``=ci`` picks one explicitly; otherwise ``CI`` in the environment picks "ci".
@@ -7,7 +9,11 @@ red by chance); a developer's run keeps searching randomly and prints the reprod
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+from hf_sparsemax.mappings import compiled
 
 settings.register_profile(
     "dev", max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "60")), deadline=None, print_blob=True,
@@ -15,3 +21,22 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The compiled threshold kernels on inputs of every size, traced with ``aot_eager`` (no C++ build: cheap in CI),
+    from a fresh compiler (dynamo's recompile count per function is global: other tests' shapes must not use up
+    this test's). Yields the names of the functions run compiled, in order."""
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled, "_failed", [])
+    monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
+    calls = []
+    original = compiled.run
+    monkeypatch.setattr(compiled, "run", lambda fn, *args: calls.append(fn.__name__) or original(fn, *args))
+    torch._dynamo.reset()
+    compiled.compiled.cache_clear()
+    yield calls
+    torch._dynamo.reset()
+    compiled.compiled.cache_clear()

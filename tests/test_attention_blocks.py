@@ -174,31 +174,10 @@ def test_alphas_below_the_float32_range_take_the_float64_materialised_path():
     torch.testing.assert_close(out, materialised(module, "learned", q, k, v, mask, D**-0.5), rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture
-def compiled_kernels(monkeypatch):
-    """The compiled threshold kernels on every block, traced with ``aot_eager`` (no C++ build: cheap in CI)."""
-    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(compiled, "_failed", [])
-    monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
-    fresh_compiler()
-    yield
-    fresh_compiler()
-
-
-def fresh_compiler():
-    """Forget compiled graphs (dynamo's recompile count per function is global: other tests' shapes must not use
-    up this test's)."""
-    torch._dynamo.reset()
-    compiled.compiled.cache_clear()
-
-
 @pytest.mark.parametrize("setup", ["sparsemax", "learned"])
 def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
     monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 100)
-    calls = []
-    original = compiled.run
-    monkeypatch.setattr(compiled, "run", lambda fn, *args: calls.append(fn.__name__) or original(fn, *args))
+    calls = compiled_kernels
     module, attn = module_for(setup)
     q, k, v = inputs()
     mask = masks()["causal+padding"]

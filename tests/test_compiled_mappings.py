@@ -3,7 +3,8 @@
 ``sparsemax``, ``entmax15`` and ``entmax_bisect`` (a float alpha in [1.125, 2] or one per slice) route such rows
 through :mod:`hf_sparsemax.mappings.compiled`; everything else keeps the eager solvers. Checked against the eager
 path (itself checked against closed forms and the ``entmax`` package in test_mappings.py): values, gradients of the
-input and of alpha, the masking / NaN conventions, and which path ran. Traced with ``aot_eager`` (no C++ build).
+input and of alpha, the masking / NaN conventions, and which path ran. Traced with ``aot_eager`` (conftest.py's
+``compiled_kernels`` fixture).
 """
 
 import contextlib
@@ -15,28 +16,6 @@ import hf_sparsemax as hs
 from hf_sparsemax.mappings import compiled
 
 MIN = torch.finfo(torch.float32).min
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    """The compiled path on every size, and the names of the functions compiled."""
-    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(compiled, "_failed", [])
-    monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
-    calls = []
-    original = compiled.run
-    monkeypatch.setattr(compiled, "run", lambda fn, *args: calls.append(fn.__name__) or original(fn, *args))
-    fresh_compiler()
-    yield calls
-    fresh_compiler()
-
-
-def fresh_compiler():
-    """Forget compiled graphs (dynamo's recompile count per function is global: other tests' shapes must not use
-    up this test's)."""
-    torch._dynamo.reset()
-    compiled.compiled.cache_clear()
 
 
 @contextlib.contextmanager
@@ -74,14 +53,14 @@ def run(name, x, alpha, grad):
 
 
 @pytest.mark.parametrize("name", list(MAPPINGS))
-def test_compiled_rows_equal_the_eager_solver(name, kernels):
+def test_compiled_rows_equal_the_eager_solver(name, compiled_kernels):
     x, grad = scores(), torch.randn(2, 3, 24, 40, generator=torch.Generator().manual_seed(1))
     alpha = torch.tensor([1.2, 1.5, 1.9]).view(1, 3, 1, 1)
     with eager():
         expected, expected_grads = run(name, x, alpha, grad)
-    assert not kernels
+    assert not compiled_kernels
     out, grads = run(name, x, alpha, grad)
-    assert kernels == ["solve_and_map", "output_vjp"] and not compiled._failed
+    assert compiled_kernels == ["solve_and_map", "output_vjp"] and not compiled._failed
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
@@ -89,17 +68,17 @@ def test_compiled_rows_equal_the_eager_solver(name, kernels):
     assert out[1, 2, 9].isnan().all()  # NaN in, NaN out (the eager convention)
 
 
-def test_other_layouts_dtypes_and_double_backward_keep_the_eager_path(kernels):
+def test_other_layouts_dtypes_and_double_backward_keep_the_eager_path(compiled_kernels):
     x = scores().nan_to_num(nan=0.0)
     hs.sparsemax(x, dim=-2)  # not the last dim
     hs.entmax15(x.double())  # float64
     hs.entmax_bisect(x, 1.05)  # alpha below float32's precise range
     hs.entmax_bisect(x, 1.5, n_iter=3)  # a fixed number of steps, as documented
     hs.sparsemax(torch.randn(4, 3000))  # wider rows than attention's (a vocabulary): top candidates, eagerly
-    assert not kernels
+    assert not compiled_kernels
     leaf = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(hs.entmax15(leaf).square().sum(), leaf, create_graph=True)
-    assert kernels == ["solve_and_map"]  # the forward; the backward with a graph stays differentiable
+    assert compiled_kernels == ["solve_and_map"]  # the forward; the backward with a graph stays differentiable
     (gg,) = torch.autograd.grad(g.sum(), leaf)
     with eager():
         leaf2 = x.clone().requires_grad_()
@@ -108,7 +87,7 @@ def test_other_layouts_dtypes_and_double_backward_keep_the_eager_path(kernels):
     torch.testing.assert_close(gg, gg2, rtol=1e-4, atol=1e-5)
 
 
-def test_the_input_is_not_written_over(kernels):
+def test_the_input_is_not_written_over(compiled_kernels):
     x = scores().nan_to_num(nan=0.0)
     kept = x.clone()
     for fn in (hs.sparsemax, hs.entmax15, lambda t: hs.entmax_bisect(t, 1.3)):
