@@ -346,21 +346,26 @@ def test_which_trl_trainers_are_refused(trainer_name, loss, rule):
         assert reason is None
 
 
+def small_grpo(model, tmp_path):
+    """A one-step GRPOTrainer on CPU: 4 prompts, 2 generations of 4 tokens, reward = completion length."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                       args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
+                       processing_class=tokenizer())
+
+
 def test_grpo_under_sparse_softmax_scores_the_trained_distribution(tmp_path):
     """GRPO samples with the patched generate and scores with the patched request: its entropy is that of top-5."""
     import math
 
-    from trl import GRPOConfig, GRPOTrainer
-
     model = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 5})
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                      disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        grpo = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                           args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
-                           processing_class=tokenizer())
+        grpo = small_grpo(model, tmp_path)
         grpo.train()
     entropy = next(log["entropy"] for log in grpo.state.log_history if "entropy" in log)
     assert 0 < entropy <= math.log(5) + 1e-4  # dense softmax over 30 tokens would be near log(30) = 3.4
@@ -459,18 +464,11 @@ def test_grpo_with_vllm_rollouts_from_a_base_folder_is_refused_before_any_step(t
     The trainer is built without vLLM (not installed here) and then told use_vllm=True, which is what the guard
     reads; its rollouts come from transformers' generate, and the guard refuses at its first scoring forward.
     """
-    from trl import GRPOConfig, GRPOTrainer
-
     tiny_lm().save_pretrained(tmp_path / "base")
     model = hs.patch_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), **patch)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                      disable_tqdm=True, gradient_checkpointing=False, bf16=False, beta=0.0, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        grpo = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                           args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
-                           processing_class=tokenizer())
+        grpo = small_grpo(model, tmp_path)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         grpo.args.use_vllm = True
         with pytest.raises(ValueError, match=refused):
