@@ -4,8 +4,11 @@ Every model family that calls ``ALL_ATTENTION_FUNCTIONS.get_interface(...)``
 hands its attention to the function registered under
 ``config._attn_implementation``. This module registers one such function per
 mapping (``sparsemax``, ``entmax15``, ``entmax_bisect``, ``sparse_softmax``),
-and, under the same name, transformers' ``eager_mask`` as the mask function:
-without it the model would build no causal and no padding mask at all.
+and, under the same name, its mask function (:func:`mask_function`): without
+one the model would build no causal and no padding mask at all. As for sdpa,
+a plain causal mask (no padding, no window reached) is not built: the model
+passes ``None`` and the attention masks the future itself, block by block, as
+sdpa's ``is_causal`` does; other masks are transformers' eager masks.
 
 For each head the attention weights are
 
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention_blocks import block_queries, threshold_attention
+from .attention_blocks import block_queries, causal_mask, threshold_attention
 from .mappings import registry
 from .mappings.entmax import precise_in_float32
 
@@ -63,8 +66,9 @@ OPTIONS_ATTR = "hf_sparsemax_attention"  # plain attribute of an attention modul
 ALPHA_ATTR = "hf_sparsemax_alpha"  # submodule of an attention module: its LearnedAlpha (saved with the weights)
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
 
-# Keyword arguments the models pass that do not change the math here: masks already hold causality, sliding
-# windows and packed sequences; the rest is bookkeeping for other implementations or for the model.
+# Keyword arguments the models pass that do not change the math here: masks hold sliding windows and packed
+# sequences, is_causal is read where no mask is passed (is_causal()); the rest is bookkeeping for other
+# implementations or for the model.
 HARMLESS_KWARGS = frozenset(
     {
         "is_causal", "sliding_window", "position_ids", "output_attentions", "deterministic", "use_cache",
@@ -164,8 +168,11 @@ def check_kwargs(kwargs: dict[str, typing.Any], mapping: str) -> None:
         )
 
 
-def attend(module, query, *, key, value, mask, scaling, dropout, softcap, position_bias, sinks, mapping):
-    """Weights ``[B, H, q, kv]`` and output ``[B, H, q, D]`` for one block of queries."""
+def attend(module, query, *, key, value, mask, scaling, dropout, softcap, position_bias, sinks, mapping, causal=None):
+    """Weights ``[B, H, q, kv]`` and output ``[B, H, q, D]`` for one block of queries (``causal``: the position of
+    its first query when ``mask`` is a plain causal mask left to the attention)."""
+    if causal is not None:
+        mask = causal_mask(causal, causal + query.shape[-2], 0, key.shape[-2], query.dtype, query.device)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -222,33 +229,59 @@ def sparse_attention_forward(
     options = getattr(module, OPTIONS_ATTR, None)
     chunk = options.chunk_size if options else None
     q_len = query.shape[-2]
+    causal = is_causal(module, q_len, attention_mask, kwargs)
     if chunk is None and not torch.compiler.is_compiling():  # memory-bounded by default (eager)
         chunk = block_queries(query.shape[0], query.shape[1], q_len, key.shape[-2])
     blocked = None if weights_requested(kwargs) else threshold_path(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, position_bias=position_bias,
         sinks=s_aux, mapping=mapping)
     if blocked is not None:
-        out = threshold_attention(query, key, value, attention_mask, scaling=scaling, block=chunk or q_len, **blocked)
+        out = threshold_attention(query, key, value, attention_mask, causal=causal, scaling=scaling,
+                                  block=chunk or q_len, **blocked)
         return out.transpose(1, 2).contiguous(), None
     if key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, sinks=s_aux, mapping=mapping)
     if chunk is None or q_len <= chunk or weights_requested(kwargs):
-        weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias, **extras)
+        weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias,
+                              causal=0 if causal else None, **extras)
         return out.transpose(1, 2).contiguous(), weights
     block = functools.partial(attend, module, key=key, value=value, **extras)
 
-    def run(q_rows, mask_rows, bias_rows):
-        return block(q_rows, mask=mask_rows, position_bias=bias_rows)[1]
+    def run(q_rows, mask_rows, bias_rows, first):
+        return block(q_rows, mask=mask_rows, position_bias=bias_rows, causal=first)[1]
 
     outputs = []
     for start in range(0, q_len, chunk):
         rows = slice(start, start + chunk)
-        operands = (query[..., rows, :], query_rows(attention_mask, rows), query_rows(position_bias, rows))
+        operands = (query[..., rows, :], query_rows(attention_mask, rows), query_rows(position_bias, rows),
+                    start if causal else None)
         grad = torch.is_grad_enabled()
         outputs.append(checkpoint(run, *operands, use_reentrant=False) if grad else run(*operands))
     return torch.cat(outputs, dim=-2).transpose(1, 2).contiguous(), None
+
+
+def is_causal(module: nn.Module, q_len: int, mask: torch.Tensor | None, kwargs: dict[str, typing.Any]) -> bool:
+    """Whether queries see only keys up to their own position without a mask to say so: sdpa's rule (its
+    ``is_causal``), as the mask function returns None for a plain causal mask (:func:`mask_function`). The
+    ``is_causal`` keyword where the model passes one, else the module's ``is_causal`` (default True); never for a
+    single query (decoding sees every cached key)."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    return mask is None and q_len > 1 and bool(causal)
+
+
+def mask_function(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """The mask function registered with every sparse attention: None where sdpa's would be None (a plain causal
+    mask, which the attention applies per block; full attention), else transformers' eager mask, additive:
+    0 where a key is seen, ``finfo(dtype).min`` where not (arguments as ``transformers.masking_utils.sdpa_mask``)."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None:
+        return None
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
 
 
 def weights_requested(kwargs: dict[str, typing.Any]) -> bool:
@@ -313,13 +346,13 @@ def attention_function(mapping: str):
 
 
 def register_attention() -> None:
-    """Register every sparse attention, and ``eager_mask`` for its masks, under its name."""
+    """Register every sparse attention, and :func:`mask_function` for its masks, under its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     for mapping in ATTENTION_MAPPINGS:
         AttentionInterface.register(mapping, attention_function(mapping))
-        AttentionMaskInterface.register(mapping, eager_mask)
+        AttentionMaskInterface.register(mapping, mask_function)
 
 
 def routes_attention(module_type: type) -> bool:

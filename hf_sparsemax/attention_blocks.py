@@ -19,7 +19,9 @@ on the support (the mapping's Jacobian, :func:`~hf_sparsemax.mappings.entmax.ent
 and, for a learned per-head alpha, its closed-form derivative. Keys that the
 mask excludes for every query of a block (the future under a causal mask, the
 past beyond a sliding window, padding) are skipped in the forward and the
-backward: their weights are exactly 0. Grouped-query heads share their key
+backward: their weights are exactly 0. A plain causal mask is never
+materialised (``causal=True``, sdpa's ``is_causal``): each block masks its own
+future keys, so no ``[q, kv]`` tensor is held at any length. Grouped-query heads share their key
 and value head without copies. A double backward (``create_graph=True``)
 recomputes the blocks through the mapping's own differentiable Function, so
 second derivatives stay exact.
@@ -49,6 +51,13 @@ def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int |
     return -(-queries // blocks)  # equal blocks, each at most `largest`
 
 
+def causal_mask(start: int, stop: int, low: int, high: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask ``[stop - start, high - low]`` of queries ``[start, stop)`` over keys ``[low, high)``: 0 where
+    key ``j <= i``, else ``finfo(dtype).min`` (upper-left aligned, as sdpa's ``is_causal``)."""
+    future = torch.arange(low, high, device=device) > torch.arange(start, stop, device=device)[:, None]
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(future, torch.finfo(dtype).min)
+
+
 class Block(NamedTuple):
     """Queries ``[start, stop)`` and the keys ``[low, high)`` that some of them see (the others have weight 0)."""
 
@@ -65,14 +74,16 @@ class Problem(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     mask: torch.Tensor | None  # additive, [B | 1, Hkv | 1, G | 1, q, kv]
+    causal: bool  # a plain causal mask (``mask`` is None): query i sees keys j <= i
     alpha: float | torch.Tensor  # a float, or [1, Hkv, G, 1, 1] (learned per head)
     scaling: float
     threshold: Callable
 
 
-def grouped(query, key, value, mask, alpha, scaling, threshold) -> Problem:
+def grouped(query, key, value, mask, causal, alpha, scaling, threshold) -> Problem:
     """The :class:`Problem` of a call with ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``,
-    ``mask`` broadcastable to ``[B, H, q, kv]`` and ``alpha`` a float or ``[1, H, 1, 1]``."""
+    ``mask`` broadcastable to ``[B, H, q, kv]`` (or None, then ``causal`` says whether queries see only keys
+    up to their own position) and ``alpha`` a float or ``[1, H, 1, 1]``."""
     kv_heads = key.shape[1]
     groups = query.shape[1] // kv_heads
     query = query.unflatten(1, (kv_heads, groups))
@@ -80,7 +91,7 @@ def grouped(query, key, value, mask, alpha, scaling, threshold) -> Problem:
         mask = mask.unflatten(1, (kv_heads, groups)) if mask.shape[1] != 1 else mask.unsqueeze(2)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.unflatten(1, (kv_heads, groups))
-    return Problem(query, key, value, mask, alpha, scaling, threshold)
+    return Problem(query, key, value, mask, causal and mask is None, alpha, scaling, threshold)
 
 
 def blocks(problem: Problem, block: int) -> list[Block]:
@@ -91,7 +102,7 @@ def blocks(problem: Problem, block: int) -> list[Block]:
     for start in range(0, queries, block):
         stop = min(start + block, queries)
         if problem.mask is None:
-            found.append(Block(start, stop, 0, keys))
+            found.append(Block(start, stop, 0, min(stop, keys) if problem.causal else keys))
             continue
         live = (problem.mask[..., start:stop, :] > masked).flatten(0, -2).any(0).nonzero()
         if live.numel():
@@ -125,6 +136,8 @@ def block_scores(problem: Problem, part: Block):
                   alpha=problem.scaling, out=grouped_scores)
     else:
         scores.mul_(problem.scaling)
+        if problem.causal:
+            grouped_scores.add_(causal_mask(part.start, part.stop, part.low, part.high, scores.dtype, scores.device))
     return scores, q_block, block_alpha(problem, part, scores.dtype)
 
 
@@ -181,11 +194,12 @@ class ThresholdAttention(torch.autograd.Function):
     """``softmax``-free attention output ``[B, Hkv, G, q, D]`` of a threshold mapping, memory-bounded (module doc)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, alpha, fixed_alpha, scaling, threshold, block, reference):
-        problem = grouped(query, key, value, mask, alpha if alpha is not None else fixed_alpha, scaling, threshold)
+    def forward(ctx, query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference):
+        problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
+                          threshold)
         out, parts, states = forward_blocks(problem, block)
         ctx.save_for_backward(query, key, value, mask, alpha)
-        ctx.parts, ctx.states = parts, states
+        ctx.parts, ctx.states, ctx.causal = parts, states, problem.causal
         ctx.fixed_alpha, ctx.scaling, ctx.threshold, ctx.reference = fixed_alpha, scaling, threshold, reference
         return out.flatten(1, 2)
 
@@ -194,32 +208,37 @@ class ThresholdAttention(torch.autograd.Function):
         query, key, value, mask, alpha = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: through the mapping's differentiable Function (exact 2nd order)
-            inputs = [t for t, need in zip((query, key, value, alpha), needs[:3] + needs[4:5]) if need]
+            inputs = [t for t, need in zip((query, key, value, alpha), needs[:3] + needs[5:6]) if need]
+            if ctx.causal:
+                mask = causal_mask(0, query.shape[-2], 0, key.shape[-2], query.dtype, query.device)
             out = ctx.reference(query, key, value, mask, alpha)
             grads = iter(torch.autograd.grad(out, inputs, grad_out, create_graph=True))
-            found = [next(grads) if need else None for need in needs[:3] + needs[4:5]]
-            return (*found[:3], None, found[3], None, None, None, None, None)
-        alpha_grad = alpha is not None and needs[4]
-        problem = grouped(query, key, value, mask, alpha if alpha is not None else ctx.fixed_alpha, ctx.scaling,
-                          ctx.threshold)
+            found = [next(grads) if need else None for need in needs[:3] + needs[5:6]]
+            return (*found[:3], None, None, found[3], None, None, None, None, None)
+        alpha_grad = alpha is not None and needs[5]
+        problem = grouped(query, key, value, mask, ctx.causal, alpha if alpha is not None else ctx.fixed_alpha,
+                          ctx.scaling, ctx.threshold)
         grad = grad_out.unflatten(1, problem.query.shape[1:3])
         d_query, d_key, d_value, d_alpha = backward_blocks(problem, ctx.parts, ctx.states, grad, alpha_grad)
         if d_alpha is not None:
             d_alpha = d_alpha.flatten(1, 2).to(alpha.dtype)
-        return d_query.flatten(1, 2), d_key, d_value, None, d_alpha, None, None, None, None, None
+        return d_query.flatten(1, 2), d_key, d_value, None, None, d_alpha, None, None, None, None, None
 
 
-def threshold_attention(query, key, value, mask, *, alpha, fixed_alpha, scaling, threshold, block, reference):
+def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_alpha, scaling, threshold, block,
+                        reference):
     """Attention output ``[B, H, q, D]`` of a threshold mapping, memory-bounded (see the module docstring).
 
     ``query [B, H, q, D]``; ``key``/``value [B, H_kv, kv, D]`` (not repeated for grouped heads); ``mask``
-    additive, broadcastable to ``[B, H, q, kv]``, or None; ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None
+    additive, broadcastable to ``[B, H, q, kv]``, or None, then ``causal`` (query ``i`` sees keys ``j <= i``,
+    built per block) or full attention; ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None
     (then ``fixed_alpha``); ``threshold`` the registry entry's row threshold; ``block`` queries per block;
     ``reference(query, key, value, mask, alpha)`` the same output through the differentiable mapping (double
     backward only).
     """
-    args = (query, key, value, mask, alpha, fixed_alpha, scaling, threshold, block, reference)
+    args = (query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, alpha)):
         return ThresholdAttention.apply(*args)
-    problem = grouped(query, key, value, mask, alpha if alpha is not None else fixed_alpha, scaling, threshold)
+    problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
+                      threshold)
     return forward_blocks(problem, block)[0].flatten(1, 2)

@@ -34,7 +34,7 @@ def compiled_kernels(monkeypatch):
     monkeypatch.delenv(compiled.ENVIRONMENT, raising=False)
     calls = []
     original = compiled.run
-    monkeypatch.setattr(compiled, "run", lambda fn, *args: calls.append(fn.__name__) or original(fn, *args))
+    monkeypatch.setattr(compiled, "run", lambda fn, *args, **kw: calls.append(fn.__name__) or original(fn, *args, **kw))
     torch._dynamo.reset()
     compiled.compiled.cache_clear()
     yield calls

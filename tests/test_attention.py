@@ -4,10 +4,11 @@ import pytest
 import torch
 import transformers
 from transformers import AttentionInterface, GPTJConfig, GPTJForCausalLM, FalconConfig, FalconForCausalLM
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import ATTENTION_MAPPINGS, sparse_attention_forward
+from hf_sparsemax import attention
+from hf_sparsemax.attention import ATTENTION_MAPPINGS, mask_function as attention_mask, sparse_attention_forward
 
 from families import FAMILIES, NEWLY_ROUTED, batch, tiny_model
 
@@ -92,6 +93,31 @@ def test_sparse_attention_rows_lie_on_the_simplex_with_exact_zeros(family):
             assert alphas and all(a.pre_alpha.grad is not None and a.pre_alpha.grad.abs().sum() > 0 for a in alphas)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masks_left_to_the_attention_equal_the_eager_masks(family, monkeypatch):
+    """Without padding transformers builds no plain causal mask for these attentions (sdpa's rule): the attention
+    masks each block's future itself. Outputs and gradients must be those of transformers' eager masks."""
+    inputs = dict(batch(family), attention_mask=torch.ones(2, 10, dtype=torch.long))
+    returned = []
+    monkeypatch.setattr(attention, "mask_function", lambda *a, **k: returned.append(attention_mask(*a, **k)) or returned[-1])
+    for name, options in SPARSE:
+        results = []
+        for mask_function in (attention.mask_function, eager_mask):
+            monkeypatch.setitem(AttentionMaskInterface._global_mapping, name, mask_function)
+            model = tiny_model(family)
+            hs.patch_model(model, attn=name, attn_options=options)
+            output = model(**inputs)
+            output.logits.square().mean().backward()
+            results.append((output.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (logits, grads), (eager_logits, eager_grads) = results
+        torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-6, msg=name)
+        assert grads.keys() == eager_grads.keys()
+        for parameter in grads:
+            torch.testing.assert_close(grads[parameter], eager_grads[parameter], rtol=1e-4, atol=1e-6, msg=parameter)
+    if FAMILIES[family][2] == "causal" and family != "mistral":  # (mistral: every layer's window < 10 tokens)
+        assert any(mask is None for mask in returned)  # the causal mask was left to the attention
+
+
 @pytest.mark.parametrize("family", CAUSAL + ["bart", "t5"])
 def test_kv_cache_decoding_equals_the_full_forward(family):
     model = tiny_model(family)
@@ -159,6 +185,7 @@ def test_chunked_queries_equal_the_materialised_path(family):
 def test_attention_dropout_in_training():
     torch.manual_seed(0)
     module = torch.nn.Module()
+    module.is_causal = False  # no mask, not causal: every key is seen (sdpa's rule)
     q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
     module.train()
     torch.manual_seed(1)

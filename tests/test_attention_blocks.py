@@ -32,6 +32,7 @@ def masks(length: int = L) -> dict[str, torch.Tensor | None]:
     padded[1, ..., :3] = MIN  # left padding: the first rows of the second sequence see nothing
     return {
         "none": None,
+        "is_causal": None,  # no mask, a causal module: the plain causal mask left to the attention, as sdpa
         "causal": torch.zeros(1, 1, length, length).masked_fill(causal, MIN),
         "causal+padding": padded,
         "sliding window": torch.zeros(1, 1, length, length).masked_fill(window, MIN),
@@ -49,6 +50,7 @@ class Float64Alpha(LearnedAlpha):
 def module_for(setup: str, dtype=torch.float32) -> tuple[torch.nn.Module, str]:
     attn, options = SETUPS[setup]
     module = torch.nn.Module().train()
+    module.is_causal = False  # a mask of masks() says what each query sees ("is_causal" sets it True)
     setattr(module, OPTIONS_ATTR, AttentionOptions.from_settings(attn, options))
     if options.get("learn_alpha"):
         kind = Float64Alpha if dtype == torch.float64 else LearnedAlpha
@@ -91,13 +93,14 @@ def test_blocked_path_equals_the_materialised_formula(setup, budget, monkeypatch
         monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", budget)
     for name, mask in masks().items():
         module, attn = module_for(setup)
+        module.is_causal = name == "is_causal"
         q, k, v = inputs()
         grad = torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(2))
         leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
         out, weights = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
         assert weights is None  # the blocked path was taken: no weights held
         got = torch.autograd.grad((out * grad).sum(), leaves)
-        reference = materialised(module, setup, q, k, v, mask, 0.4)
+        reference = materialised(module, setup, q, k, v, masks()["causal"] if module.is_causal else mask, 0.4)
         expected = torch.autograd.grad((reference * grad).sum(), leaves)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-6, msg=name)
         for a, b, leaf in zip(got, expected, ["q", "k", "v", "alpha"]):
@@ -129,31 +132,40 @@ def test_block_sizes_hold_the_budget_and_short_inputs_stay_whole():
         assert batch * heads * -(-queries // (blocks - 1)) * keys > budget if blocks > 1 else True
 
 
-def test_backward_keeps_no_query_by_key_tensor():
-    """What autograd saves for backward is the inputs and one threshold per row: nothing of size q x kv."""
+@pytest.mark.parametrize("causal", ["causal", "is_causal"])
+def test_backward_keeps_no_query_by_key_tensor(causal, monkeypatch):
+    """What autograd saves for backward is the inputs and one threshold per row: nothing of size q x kv, and
+    under a plain causal mask (sdpa's ``is_causal``: no mask passed) nothing of size q x kv is built at all."""
     length = 64
+    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", B * H * length * 8)  # blocks of 8 queries
     module, attn = module_for("learned")
+    module.is_causal = causal == "is_causal"
     q, k, v = inputs(length=length)
-    saved = []
+    saved, built = [], []
+    make_mask = attention_blocks.causal_mask
+    monkeypatch.setattr(attention_blocks, "causal_mask", lambda *a: built.append(make_mask(*a).numel()) or make_mask(*a))
 
     def pack(t):
         saved.append(t.numel())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = sparse_attention_forward(module, q, k, v, masks(length)["causal"], mapping=attn)
+        out, _ = sparse_attention_forward(module, q, k, v, masks(length)[causal], mapping=attn)
     assert saved and max(saved) < length * length * H
+    assert bool(built) == module.is_causal and max(built, default=0) <= 8 * length
     out.sum().backward()
     assert q.grad is not None and module.hf_sparsemax_alpha.pre_alpha.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("causal", ["causal", "is_causal"])
 @pytest.mark.parametrize("setup", ["entmax15", "learned"])
-def test_first_and_second_derivatives_in_float64(setup, monkeypatch):
+def test_first_and_second_derivatives_in_float64(setup, causal, monkeypatch):
     """float64 gradcheck and gradgradcheck of the blocked path (one query per block), alphas included."""
     monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 2 * H * 5)
     module, attn = module_for(setup, torch.float64)
+    module.is_causal = causal == "is_causal"
     q, k, v = [t.detach().double().requires_grad_() for t in inputs(length=5)]
-    mask = masks(5)["causal"].double()
+    mask = None if module.is_causal else masks(5)["causal"].double()
     alpha = [module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else []
 
     def fn(q, k, v, *pre_alpha):

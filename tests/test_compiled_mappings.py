@@ -93,3 +93,31 @@ def test_the_input_is_not_written_over(compiled_kernels):
     for fn in (hs.sparsemax, hs.entmax15, lambda t: hs.entmax_bisect(t, 1.3)):
         fn(x)
     assert torch.equal(x, kept)
+
+
+def test_a_new_alpha_in_the_same_process_gets_its_own_exact_weights(compiled_kernels, monkeypatch):
+    """Inductor (the default backend), several alphas one after the other in one process. A Python float alpha that
+    changes between calls would turn symbolic on its second value, which torch 2.13's inductor miscompiled (the
+    weights of 1.2 after 1.3 were off by 0.17): every alpha but 2 and 1.5 reaches the kernel as a tensor, one graph
+    for all of them, and each call's weights and gradients are the eager solver's."""
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 3
+    grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.utils.counters.clear()
+    for alpha in (1.3, 1.2, 1.5, 1.7, 1.3):
+        source = x.clone().requires_grad_()
+        out = hs.entmax_bisect(source, alpha)
+        got = torch.autograd.grad(out, source, grad)[0]
+        with eager():
+            reference = x.clone().requires_grad_()
+            expected = hs.entmax_bisect(reference, alpha)
+            expected_grad = torch.autograd.grad(expected, reference, grad)[0]
+        with torch.no_grad():
+            inference = hs.entmax_bisect(x, alpha)
+        torch.testing.assert_close(inference, expected, rtol=1e-5, atol=1e-6, msg=f"alpha {alpha}, no grad")
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=f"alpha {alpha}")
+        torch.testing.assert_close(got, expected_grad, rtol=1e-4, atol=1e-5, msg=f"alpha {alpha}")
+    assert not compiled._failed, compiled._failed  # inductor built the kernels (a C++ compiler is present)
+    assert compiled_kernels.count("solve_and_map") == 10
+    # forward and backward graphs: one each for alpha 1.5 (a constant) and one each for all the other alphas
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4

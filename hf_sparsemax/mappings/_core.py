@@ -329,8 +329,8 @@ class SupportPower(torch.autograd.Function):
 
 def support_power_values(u: torch.Tensor, exponent: float | torch.Tensor) -> torch.Tensor:
     """The values of :class:`SupportPower`, with fast paths for common float exponents (no graph)."""
-    if isinstance(exponent, torch.Tensor) or exponent < 0:
-        return torch.where(u > 0, u.pow(exponent), 0)
+    if isinstance(exponent, torch.Tensor) or exponent < 0:  # NaN stays NaN, as in u.pow below
+        return torch.where((u > 0) | torch.isnan(u), u.pow(exponent), 0)
     if exponent == 0:
         return (u > 0).to(u.dtype)
     if exponent == 1:

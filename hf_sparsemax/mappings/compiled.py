@@ -48,20 +48,30 @@ def applies(rows: torch.Tensor) -> bool:
             and rows.numel() >= MIN_ELEMENTS and rows.is_contiguous() and not torch.compiler.is_compiling())
 
 
+CLOSED_FORMS = {"sparsemax": 2.0, "entmax15": 1.5}  # alphas the kernels take by name (closed-form certificates)
+
+
+def named(alpha: str | torch.Tensor) -> float | torch.Tensor:
+    """The alpha a kernel was given: a name of :data:`CLOSED_FORMS` or a tensor (see :func:`run`)."""
+    return CLOSED_FORMS[alpha] if isinstance(alpha, str) else alpha
+
+
 def map_rows(rows, shift, tau, alpha):
     """``relu((alpha - 1)(x - shift) - tau) ** (1 / (alpha - 1))`` (one fused pass when compiled)."""
     am1 = alpha - 1
     return sync_free_map(rows, shift, tau, am1, 1 / am1)
 
 
-def solve_and_map(rows, alpha, masked: float):
+def solve_and_map(rows, masked: float, alpha):
     """``(p, shift, tau, done)``: the fixed certified Newton passes, then the weights."""
+    alpha = named(alpha)
     shift, tau, _, done = newton_certified(rows, alpha, masked)
     return map_rows(rows, shift, tau, alpha), shift, tau, done
 
 
-def map_and_vjp(rows, shift, tau, grad, alpha, alpha_grad: bool):
+def map_and_vjp(rows, shift, tau, grad, alpha_grad: bool, alpha):
     """``(p, J_x^T grad, J_alpha^T grad or None)`` from the scores and their saved threshold."""
+    alpha = named(alpha)
     p = map_rows(rows, shift, tau, alpha)
     return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
 
@@ -72,10 +82,19 @@ def compiled(fn: Callable, backend: str) -> Callable:
     return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
 
-def run(fn: Callable, *args):
-    """``compiled(fn)(*args)``, or None once compiling failed (one warning; eager from then on)."""
+def run(fn: Callable, *args, alpha: float | torch.Tensor):
+    """``fn(*args, alpha=...)`` compiled, or None once compiling failed (one warning; eager from then on).
+
+    ``alpha`` never reaches the compiler as a Python float: dynamo would make a float that changes between calls
+    symbolic, which torch 2.13's inductor miscompiles (the weights of ``alpha = 1.2`` after a call at 1.3 were off
+    by 0.17). 2 and 1.5 go by name (:data:`CLOSED_FORMS`: a constant of the graph, one graph each), any other
+    float as a ``[1, 1]`` float32 tensor (one graph for all of them), as a learned alpha per row does.
+    """
+    if not isinstance(alpha, torch.Tensor):
+        names = {value: name for name, value in CLOSED_FORMS.items()}
+        alpha = names.get(alpha) or torch.full((1, 1), alpha, dtype=torch.float32, device=args[0].device)
     try:
-        return compiled(fn, BACKEND)(*args)
+        return compiled(fn, BACKEND)(*args, alpha=alpha)
     except Exception as error:  # no compiler, or a backend that cannot build this graph
         _failed.append(f"{type(error).__name__}: {error}")
         warnings.warn(f"hf_sparsemax: the compiled threshold kernels are not available here ({_failed[0][:200]}); "
@@ -102,7 +121,7 @@ def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, thre
     ``alpha`` is the mapping's alpha (2 for sparsemax, 1.5 for entmax15), a float or ``[rows, 1]``. The weights
     are written over ``rows`` on the eager path.
     """
-    found = run(solve_and_map, rows, alpha, masked) if applies(rows) else None
+    found = run(solve_and_map, rows, masked, alpha=alpha) if applies(rows) else None
     if found is None:
         shift, tau = threshold(rows, masked, alpha)
         return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), (shift, tau)
@@ -116,7 +135,7 @@ def weights_vjp(rows: torch.Tensor, state, grad: torch.Tensor, alpha, alpha_grad
     (to the rounding of the fused pass on the rare rows the eager solver settled).
     """
     shift, tau = state
-    found = run(map_and_vjp, rows, shift, tau, grad, alpha, alpha_grad) if applies(rows) else None
+    found = run(map_and_vjp, rows, shift, tau, grad, alpha_grad, alpha=alpha) if applies(rows) else None
     if found is not None:
         return found
     p = threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows)
@@ -138,14 +157,14 @@ def mapping(x: torch.Tensor, dim: int, alpha: float | torch.Tensor, threshold: C
     """alpha-entmax of ``x`` along ``dim`` (``alpha`` a float or ``[rows, 1]``) in one compiled kernel, or None
     where that path does not apply (the caller's eager solver then): the exact threshold as :func:`weights`."""
     rows = last_dim_rows(x, dim)
-    found = None if rows is None else run(solve_and_map, rows, alpha, masked_below(x.dtype))
+    found = None if rows is None else run(solve_and_map, rows.detach(), masked_below(x.dtype), alpha=alpha)
     if found is None:
         return None
     return settle(rows, masked_below(x.dtype), alpha, threshold, found)[0].view(x.shape)
 
 
-def output_vjp(p, grad, alpha, alpha_grad: bool):
-    return entmax_vjp(p, grad, alpha, -1, alpha_grad)
+def output_vjp(p, grad, alpha_grad: bool, alpha):
+    return entmax_vjp(p, grad, named(alpha), -1, alpha_grad)
 
 
 def mapping_vjp(p: torch.Tensor, grad: torch.Tensor, dim: int, alpha: float | torch.Tensor, alpha_grad: bool):
@@ -154,7 +173,7 @@ def mapping_vjp(p: torch.Tensor, grad: torch.Tensor, dim: int, alpha: float | to
     rows = None if torch.is_grad_enabled() or grad.dtype != p.dtype else last_dim_rows(p, dim)
     if rows is None or not grad.is_contiguous():
         return None
-    found = run(output_vjp, rows, grad.reshape(rows.shape), alpha, alpha_grad)
+    found = run(output_vjp, rows, grad.reshape(rows.shape), alpha_grad, alpha=alpha)
     return None if found is None else (found[0].view(p.shape), found[1])
 
 
