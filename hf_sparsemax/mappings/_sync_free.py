@@ -90,11 +90,12 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
                 first = u.sum(-1, keepdim=True).to(wide)
                 total, slope = (u * u).sum(-1, keepdim=True).to(wide), first
             else:
+                # u ** (1 / a) and its derivative's u ** (1 / a - 1) from one log: no pow, no division (about
+                # twice as fast compiled; the certificate below still decides, and as many rows pass it)
                 a = am1.to(z.dtype) if isinstance(am1, torch.Tensor) else am1
-                powered = torch.where(u > 0, u.pow(1 / a), 0)
-                total = powered.sum(-1, keepdim=True).to(wide)
-                slope = torch.where(u > 0, powered / u.clamp_min(torch.finfo(u.dtype).tiny), 0)
-                slope = slope.sum(-1, keepdim=True).to(wide)
+                log_u = torch.log(u)  # -inf off the support, where both powers are 0 (1 / a > 1)
+                total = torch.exp(log_u * (1 / a)).sum(-1, keepdim=True).to(wide)
+                slope = torch.where(u > 0, torch.exp(log_u * (1 / a - 1)), 0).sum(-1, keepdim=True).to(wide)
             a_wide = am1.to(wide) if isinstance(am1, torch.Tensor) else am1
             norm = total.pow(a_wide)
             above, step = norm > 1, (norm - 1) * (total / norm) / slope
