@@ -13,6 +13,7 @@
     python benchmarks/bench_attention_targets.py                                  # everything (long)
     python benchmarks/bench_attention_targets.py --seqs 512 2048 --repeats 2 --calls
     python benchmarks/bench_attention_targets.py --seqs 8192 --memory-only       # memory of the longest
+    python benchmarks/bench_attention_targets.py --seqs 4096 --repeats 1 --time-only   # step time only
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-only", action="store_true", help="skip the step times (long sequences)")
+    parser.add_argument("--time-only", action="store_true", help="skip the peak memory (measured apart)")
     parser.add_argument("--calls", action="store_true", help="also the per-call table")
     parser.add_argument("--calls-only", action="store_true", help="only the per-call table")
     args = parser.parse_args()
@@ -115,7 +117,8 @@ def main() -> None:
         print("|---:|---|---:|---:|---:|---|---:|---:|---:|---|")
         for seq in args.seqs:
             ms = None if args.memory_only else fresh(step_times, seq, args.repeats)
-            mib = {name: peak_memory_mb(memory_setup, (*spec, seq), "step") for name, spec in CONTENDERS.items()}
+            mib = None if args.time_only else {name: peak_memory_mb(memory_setup, (*spec, seq), "step")
+                                               for name, spec in CONTENDERS.items()}
             for name in CONTENDERS:
                 cells = ["", "", "", ""]
                 if ms is not None:
@@ -123,8 +126,10 @@ def main() -> None:
                     if name in SPARSE:
                         target = SPARSE[name][2]
                         cells[2:] = [f"{target:g}", verdict(ms[name] / ms["sdpa"], target)]
-                memory = [f"{mib[name]:.0f}", f"{mib[name] / mib['sdpa']:.2f}", "", ""]
-                if name in SPARSE:
+                memory = ["", "", "", ""]
+                if mib is not None:
+                    memory[:2] = [f"{mib[name]:.0f}", f"{mib[name] / mib['sdpa']:.2f}"]
+                if name in SPARSE and mib is not None:
                     memory[2:] = ["1", verdict(mib[name] / mib["sdpa"], 1.0)]
                 print(f"| {seq} | {name} | " + " | ".join(cells + memory) + " |", flush=True)
     if args.calls or args.calls_only:

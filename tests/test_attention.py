@@ -99,7 +99,12 @@ def test_masks_left_to_the_attention_equal_the_eager_masks(family, monkeypatch):
     masks each block's future itself. Outputs and gradients must be those of transformers' eager masks."""
     inputs = dict(batch(family), attention_mask=torch.ones(2, 10, dtype=torch.long))
     returned = []
-    monkeypatch.setattr(attention, "mask_function", lambda *a, **k: returned.append(attention_mask(*a, **k)) or returned[-1])
+
+    def recorded(*args, **kwargs):
+        returned.append(attention_mask(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(attention, "mask_function", recorded)
     for name, options in SPARSE:
         results = []
         for mask_function in (attention.mask_function, eager_mask):

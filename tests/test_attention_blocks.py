@@ -143,7 +143,12 @@ def test_backward_keeps_no_query_by_key_tensor(causal, monkeypatch):
     q, k, v = inputs(length=length)
     saved, built = [], []
     make_mask = attention_blocks.causal_mask
-    monkeypatch.setattr(attention_blocks, "causal_mask", lambda *a: built.append(make_mask(*a).numel()) or make_mask(*a))
+
+    def recorded(*args):
+        built.append(make_mask(*args).numel())
+        return make_mask(*args)
+
+    monkeypatch.setattr(attention_blocks, "causal_mask", recorded)
 
     def pack(t):
         saved.append(t.numel())
