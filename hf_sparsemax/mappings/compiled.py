@@ -49,6 +49,7 @@ def applies(rows: torch.Tensor) -> bool:
 
 
 CLOSED_FORMS = {"sparsemax": 2.0, "entmax15": 1.5}  # alphas the kernels take by name (closed-form certificates)
+CLOSED_FORM_NAMES = {alpha: name for name, alpha in CLOSED_FORMS.items()}
 
 
 def named(alpha: str | torch.Tensor) -> float | torch.Tensor:
@@ -91,8 +92,7 @@ def run(fn: Callable, *args, alpha: float | torch.Tensor):
     float as a ``[1, 1]`` float32 tensor (one graph for all of them), as a learned alpha per row does.
     """
     if not isinstance(alpha, torch.Tensor):
-        names = {value: name for name, value in CLOSED_FORMS.items()}
-        alpha = names.get(alpha) or torch.full((1, 1), alpha, dtype=torch.float32, device=args[0].device)
+        alpha = CLOSED_FORM_NAMES.get(alpha) or torch.full((1, 1), alpha, dtype=torch.float32, device=args[0].device)
     try:
         return compiled(fn, BACKEND)(*args, alpha=alpha)
     except Exception as error:  # no compiler, or a backend that cannot build this graph
