@@ -364,22 +364,25 @@ def support_backward(grad: torch.Tensor, weights: torch.Tensor, dim: int) -> tor
     return sg.addcmul_(weights, mean, value=-1)
 
 
-def entmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool):
+def entmax_vjp(p: torch.Tensor, g: torch.Tensor, alpha: float | torch.Tensor, dim: int, alpha_grad: bool,
+               weights: torch.Tensor | None = None, log_p: torch.Tensor | None = None):
     """``(J_x^T g, J_alpha^T g)`` of alpha-entmax at its output ``p`` (the second summed along ``dim``, or None).
 
     With ``s = p ** (2 - alpha)`` on the support: ``dx = s g - s sum(s g) / sum(s)``; with
     ``s^ = s / sum(s)`` and ``beta = 1 / (alpha - 1)``:
     ``dp/dalpha = beta**2 (p - s^) - beta (p log p - s^ sum(p log p))``.
     Differentiable operations on ``p`` and ``alpha`` only, exact at ``p = 0``
-    (:func:`support_power`), so double backward through ``p`` is exact.
+    (:func:`support_power`), so double backward through ``p`` is exact. A caller that already holds ``s`` and
+    ``log p`` on the support (the compiled kernels: from ``log u``) passes them as ``weights`` and ``log_p``.
     """
-    weights = support_power(p, 2 - alpha)
+    weights = support_power(p, 2 - alpha) if weights is None else weights
     d_alpha = None
     if alpha_grad:
         beta = 1 / (alpha - 1)
         skewed = weights / weights.sum(dim, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
         support = p > 0
-        plogp = torch.where(support, p * torch.where(support, p, 1).log(), 0)
+        log_p = torch.where(support, p, 1).log() if log_p is None else log_p
+        plogp = torch.where(support, p * log_p, 0)
         entropy_term = plogp.sum(dim, keepdim=True)
         dp = beta * beta * (p - skewed) - beta * (plogp - skewed * entropy_term)
         d_alpha = (g * dp).sum(dim, keepdim=True)

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._core import entmax_vjp, masked_below, threshold_map
-from ._sync_free import SHORT_ROWS, newton_certified
+from ._sync_free import SHORT_ROWS, newton_certified, power_map
 from ._sync_free import threshold_map as sync_free_map
 
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
@@ -59,6 +59,8 @@ def named(alpha: str | torch.Tensor) -> float | torch.Tensor:
 
 def map_rows(rows, shift, tau, alpha):
     """``relu((alpha - 1)(x - shift) - tau) ** (1 / (alpha - 1))`` (one fused pass when compiled)."""
+    if isinstance(alpha, torch.Tensor):
+        return power_map(rows, shift, tau, alpha - 1)[0]
     am1 = alpha - 1
     return sync_free_map(rows, shift, tau, am1, 1 / am1)
 
@@ -73,8 +75,11 @@ def solve_and_map(rows, masked: float, alpha):
 def map_and_vjp(rows, shift, tau, grad, alpha_grad: bool, alpha):
     """``(p, J_x^T grad, J_alpha^T grad or None)`` from the scores and their saved threshold."""
     alpha = named(alpha)
-    p = map_rows(rows, shift, tau, alpha)
-    return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
+    if not isinstance(alpha, torch.Tensor):
+        p = map_rows(rows, shift, tau, alpha)
+        return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
+    p, weights, log_u = power_map(rows, shift, tau, alpha - 1)  # log p = log u / (alpha - 1)
+    return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad, weights, log_u / (alpha - 1).to(rows.dtype)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,7 +169,14 @@ def mapping(x: torch.Tensor, dim: int, alpha: float | torch.Tensor, threshold: C
 
 
 def output_vjp(p, grad, alpha_grad: bool, alpha):
-    return entmax_vjp(p, grad, named(alpha), -1, alpha_grad)
+    """``entmax_vjp`` at the output ``p``; for a tensor alpha, ``s = p ** (2 - alpha)`` from ``log p`` (one log and
+    one exp: cheaper than ``pow``, and ``log p`` serves the alpha derivative too)."""
+    alpha = named(alpha)
+    if not isinstance(alpha, torch.Tensor):
+        return entmax_vjp(p, grad, alpha, -1, alpha_grad)
+    log_p = torch.log(p)  # -inf off the support
+    weights = torch.where(p > 0, torch.exp(log_p * (2 - alpha.to(p.dtype))), p * 0)  # p * 0: 0, NaN kept
+    return entmax_vjp(p, grad, alpha, -1, alpha_grad, weights, log_p)
 
 
 def mapping_vjp(p: torch.Tensor, grad: torch.Tensor, dim: int, alpha: float | torch.Tensor, alpha_grad: bool):
