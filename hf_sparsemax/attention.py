@@ -29,7 +29,8 @@ the defaults: alpha 1.5, no top-k cut.
 Memory is bounded by default, as sdpa's kernels bound it: queries run in
 blocks whose weights ``[B, H, block, kv]`` hold at most
 ``attention_blocks.ATTENTION_BUDGET`` entries (one block when the whole
-``[B, H, q, kv]`` fits), and ``chunk_size`` overrides the block size. The
+``[B, H, q, kv]`` fits; never fewer than ``attention_blocks.MIN_BLOCK_QUERIES``
+queries a block, so past ~1800 keys a block holds ``B H 64 kv``), and ``chunk_size`` overrides the block size. The
 threshold mappings (sparsemax, entmax15, entmax_bisect) keep one threshold per
 query row for backward and recompute the weights from it
 (:mod:`hf_sparsemax.attention_blocks`); the others, and calls with softcapping,

@@ -8,7 +8,8 @@ entries with a ``threshold``) the weights of a query row are
 so two numbers per row (``shift``, ``tau``) give back the whole row. The
 forward runs the queries in blocks whose scores ``[B, H, block, kv]`` hold at
 most ``ATTENTION_BUDGET`` entries (all queries in one block when the whole
-``[B, H, q, kv]`` fits), solves each row's threshold, and keeps only
+``[B, H, q, kv]`` fits; at long lengths ``MIN_BLOCK_QUERIES`` queries, see
+:func:`block_queries`), solves each row's threshold, and keeps only
 ``shift`` and ``tau``: nothing of size ``q x kv`` outlives a block, as with a
 flash kernel. The backward recomputes each block's scores and maps them with
 the saved threshold (one pass; no solve), then, with ``s_i = p_i ** (2 - alpha)``
@@ -37,16 +38,23 @@ from .mappings import compiled
 from .mappings._core import masked_below
 
 ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
+MIN_BLOCK_QUERIES = 64  # ... unless that leaves fewer queries a block: every block reads all its keys and values
 
 
 def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None) -> int:
     """Queries per block: all of them when ``[B, H, q, kv]`` fits ``budget`` (``ATTENTION_BUDGET``), else equal
-    blocks that fit."""
+    blocks that fit, but never fewer than ``MIN_BLOCK_QUERIES`` queries.
+
+    Each block multiplies its queries with every key and value it sees, so blocks of a few queries re-read
+    ``K`` and ``V`` once per handful of queries (at 8192 tokens the budget alone leaves 14 queries a block, 586
+    blocks a layer, and the step took 1.6x sdpa's time). Past the point where the budget holds fewer than
+    ``MIN_BLOCK_QUERIES`` queries (about 1800 keys for 9 heads), a block holds ``B H 64 kv`` entries: linear
+    in the length, as the activations are (18 MiB in float32 at 8192 tokens, 9 heads), never ``q x kv``."""
     budget = ATTENTION_BUDGET if budget is None else budget
     per_query = max(1, batch * heads * keys)
     if per_query * queries <= budget:
         return max(1, queries)
-    largest = max(1, budget // per_query)
+    largest = max(MIN_BLOCK_QUERIES, budget // per_query)
     blocks = -(-queries // largest)
     return -(-queries // blocks)  # equal blocks, each at most `largest`
 

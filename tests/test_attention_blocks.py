@@ -80,6 +80,12 @@ def materialised_eagerly(module, setup, q, k, v, mask, scaling):
     return (p @ v).transpose(1, 2)
 
 
+def small_blocks(monkeypatch, budget: int) -> None:
+    """Blocks within ``budget`` entries, down to one query (the library holds at least ``MIN_BLOCK_QUERIES``)."""
+    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", budget)
+    monkeypatch.setattr(attention_blocks, "MIN_BLOCK_QUERIES", 1)
+
+
 def inputs(dtype=torch.float32, length: int = L, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, length, D), (B, H_KV, length, D), (B, H_KV, length, D)]
@@ -90,7 +96,7 @@ def inputs(dtype=torch.float32, length: int = L, seed: int = 0):
 @pytest.mark.parametrize("budget", [None, 1, 100])  # one block; one query per block; a few queries per block
 def test_blocked_path_equals_the_materialised_formula(setup, budget, monkeypatch):
     if budget is not None:
-        monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", budget)
+        small_blocks(monkeypatch, budget)
     for name, mask in masks().items():
         module, attn = module_for(setup)
         module.is_causal = name == "is_causal"
@@ -124,12 +130,15 @@ def test_explicit_chunk_size_overrides_the_budget(monkeypatch):
 
 def test_block_sizes_hold_the_budget_and_short_inputs_stay_whole():
     assert attention_blocks.block_queries(2, 9, 512, 512, budget=1 << 24) == 512  # fits: one block, no chunking
+    least = attention_blocks.MIN_BLOCK_QUERIES
+    assert attention_blocks.block_queries(1, 9, 8192, 8192, budget=1 << 20) == least == 64  # 14 fit: the floor
     for batch, heads, queries, keys, budget in [(1, 9, 8192, 8192, 1 << 24), (1, 9, 2048, 2048, 1 << 24),
-                                               (3, 2, 7, 5, 1), (1, 1, 10, 10, 35)]:
+                                               (1, 9, 8192, 8192, 1 << 20), (1, 9, 4100, 4100, 1 << 20),
+                                               (3, 2, 7, 5, 1), (1, 1, 10, 10, 35), (1, 1, 1000, 10, 35)]:
         block = attention_blocks.block_queries(batch, heads, queries, keys, budget=budget)
-        assert 1 <= block <= queries and (batch * heads * block * keys <= budget or block == 1)
-        blocks = -(-queries // block)  # equal blocks, as few as the budget allows
-        assert batch * heads * -(-queries // (blocks - 1)) * keys > budget if blocks > 1 else True
+        largest = max(least, budget // (batch * heads * keys))  # the budget's queries, never fewer than the floor
+        assert 1 <= block <= min(largest, queries)
+        assert -(-queries // block) == -(-queries // largest)  # equal blocks, as few as allowed
 
 
 @pytest.mark.parametrize("causal", ["causal", "is_causal"])
@@ -137,7 +146,7 @@ def test_backward_keeps_no_query_by_key_tensor(causal, monkeypatch):
     """What autograd saves for backward is the inputs and one threshold per row: nothing of size q x kv, and
     under a plain causal mask (sdpa's ``is_causal``: no mask passed) nothing of size q x kv is built at all."""
     length = 64
-    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", B * H * length * 8)  # blocks of 8 queries
+    small_blocks(monkeypatch, B * H * length * 8)  # blocks of 8 queries
     module, attn = module_for("learned")
     module.is_causal = causal == "is_causal"
     q, k, v = inputs(length=length)
@@ -166,7 +175,7 @@ def test_backward_keeps_no_query_by_key_tensor(causal, monkeypatch):
 @pytest.mark.parametrize("setup", ["entmax15", "learned"])
 def test_first_and_second_derivatives_in_float64(setup, causal, monkeypatch):
     """float64 gradcheck and gradgradcheck of the blocked path (one query per block), alphas included."""
-    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 2 * H * 5)
+    small_blocks(monkeypatch, 2 * H * 5)
     module, attn = module_for(setup, torch.float64)
     module.is_causal = causal == "is_causal"
     q, k, v = [t.detach().double().requires_grad_() for t in inputs(length=5)]
@@ -193,7 +202,7 @@ def test_alphas_below_the_float32_range_take_the_float64_materialised_path():
 
 @pytest.mark.parametrize("setup", ["sparsemax", "learned"])
 def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
-    monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 100)
+    small_blocks(monkeypatch, 100)
     calls = compiled_kernels
     module, attn = module_for(setup)
     q, k, v = inputs()
