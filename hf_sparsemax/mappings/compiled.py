@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._core import entmax_vjp, masked_below, threshold_map
-from ._sync_free import SHORT_ROWS, newton_certified, power_map
+from ._sync_free import SHORT_ROWS, newton_certified, power_map, support_log_power
 from ._sync_free import threshold_map as sync_free_map
 
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
@@ -174,8 +174,7 @@ def output_vjp(p, grad, alpha_grad: bool, alpha):
     alpha = named(alpha)
     if not isinstance(alpha, torch.Tensor):
         return entmax_vjp(p, grad, alpha, -1, alpha_grad)
-    log_p = torch.log(p)  # -inf off the support
-    weights = torch.where(p > 0, torch.exp(log_p * (2 - alpha.to(p.dtype))), p * 0)  # p * 0: 0, NaN kept
+    weights, log_p = support_log_power(p, 2 - alpha.to(p.dtype))
     return entmax_vjp(p, grad, alpha, -1, alpha_grad, weights, log_p)
 
 
