@@ -224,9 +224,9 @@ def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(comp
     from hf_sparsemax.mappings._sync_free import newton_certified
     from hf_sparsemax.mappings.sparsemax import sparsemax_threshold
 
-    def uncertain(rows, alpha, masked):
-        shift, tau, size, done = newton_certified(rows, alpha, masked)
-        return shift, tau + 0.25, size, done & (torch.arange(rows.shape[0]) % 2 == 0).unsqueeze(1)
+    def uncertain(rows, alpha, masked, steps=None):
+        found = newton_certified(rows, alpha, masked, steps)
+        return found._replace(tau=found.tau + 0.25, done=found.done & (torch.arange(rows.shape[0]) % 2 == 0)[:, None])
 
     rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
     with pytest.MonkeyPatch.context() as patch:

@@ -159,5 +159,6 @@ def test_newton_certifies_typical_rows(alpha):
     dtype = torch.float32 if alpha >= 1.125 else torch.float64
     rows = (torch.randn(4096, 512) * 2).to(dtype)
     for a in (alpha, torch.full((4096, 1), alpha, dtype=dtype)):
-        *_, done = _sync_free.newton_certified(rows, a, torch.finfo(torch.float32).min)
-        assert bool(done.all())
+        for steps in (None, _sync_free.newton_steps(alpha, dtype)):  # the default, and the eager caller's by alpha
+            found = _sync_free.newton_certified(rows, a, torch.finfo(torch.float32).min, steps)
+            assert bool(found.done.all()), (steps, float(found.done.double().mean()))

@@ -119,5 +119,6 @@ def test_a_new_alpha_in_the_same_process_gets_its_own_exact_weights(compiled_ker
         torch.testing.assert_close(got, expected_grad, rtol=1e-4, atol=1e-5, msg=f"alpha {alpha}")
     assert not compiled._failed, compiled._failed  # inductor built the kernels (a C++ compiler is present)
     assert compiled_kernels.count("solve_and_map") == 10
-    # forward and backward graphs: one each for alpha 1.5 (a constant) and one each for all the other alphas
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+    # forward and backward graphs: one each for alpha 1.5 (a constant); for all the other alphas one backward and
+    # one forward per pass count (4 passes for 1.2 and 1.3, 7 for 1.7: _sync_free.newton_steps)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 5

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._core import entmax_vjp, masked_below, threshold_map
-from ._sync_free import SHORT_ROWS, newton_certified, power_map, support_log_power
+from ._sync_free import SHORT_ROWS, newton_certified, newton_steps, power_map, support_log_power
 from ._sync_free import threshold_map as sync_free_map
 
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
@@ -65,11 +65,32 @@ def map_rows(rows, shift, tau, alpha):
     return sync_free_map(rows, shift, tau, am1, 1 / am1)
 
 
-def solve_and_map(rows, masked: float, alpha):
-    """``(p, shift, tau, done)``: the fixed certified Newton passes, then the weights."""
+def solve_and_map(rows, masked: float, alpha, steps: int | None = None):
+    """``(p, shift, tau, done)``: ``steps`` certified Newton passes, then the weights (for general alpha, from the
+    last pass)."""
     alpha = named(alpha)
-    shift, tau, _, done = newton_certified(rows, alpha, masked)
-    return map_rows(rows, shift, tau, alpha), shift, tau, done
+    found = newton_certified(rows, alpha, masked, steps)
+    p = map_rows(rows, found.shift, found.tau, alpha) if found.weights is None else found.weights
+    return p, found.shift, found.tau, found.done
+
+
+@functools.lru_cache(maxsize=None)
+def solve_and_map_in(steps: int | None) -> Callable:
+    """:func:`solve_and_map` with ``steps`` passes: one function, so one compiled graph, per count."""
+
+    def with_steps(rows, masked: float, alpha):
+        return solve_and_map(rows, masked, alpha, steps)
+
+    with_steps.__name__ = with_steps.__qualname__ = solve_and_map.__name__
+    return with_steps
+
+
+def passes(alpha: float | torch.Tensor) -> int | None:
+    """The passes :func:`solve_and_map` runs for ``alpha``: the default for sparsemax, else by the
+    largest alpha (:func:`._sync_free.newton_steps`; one host read of a learned alpha's few values)."""
+    if not isinstance(alpha, torch.Tensor):
+        return None if alpha == 2 else newton_steps(alpha)
+    return newton_steps(float(alpha.detach().max()))
 
 
 def map_and_vjp(rows, shift, tau, grad, alpha_grad: bool, alpha):
@@ -126,7 +147,7 @@ def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, thre
     ``alpha`` is the mapping's alpha (2 for sparsemax, 1.5 for entmax15), a float or ``[rows, 1]``. The weights
     are written over ``rows`` on the eager path.
     """
-    found = run(solve_and_map, rows, masked, alpha=alpha) if applies(rows) else None
+    found = run(solve_and_map_in(passes(alpha)), rows, masked, alpha=alpha) if applies(rows) else None
     if found is None:
         shift, tau = threshold(rows, masked, alpha)
         return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), (shift, tau)
@@ -162,7 +183,8 @@ def mapping(x: torch.Tensor, dim: int, alpha: float | torch.Tensor, threshold: C
     """alpha-entmax of ``x`` along ``dim`` (``alpha`` a float or ``[rows, 1]``) in one compiled kernel, or None
     where that path does not apply (the caller's eager solver then): the exact threshold as :func:`weights`."""
     rows = last_dim_rows(x, dim)
-    found = None if rows is None else run(solve_and_map, rows.detach(), masked_below(x.dtype), alpha=alpha)
+    found = None if rows is None else run(solve_and_map_in(passes(alpha)), rows.detach(), masked_below(x.dtype),
+                                          alpha=alpha)
     if found is None:
         return None
     return settle(rows, masked_below(x.dtype), alpha, threshold, found)[0].view(x.shape)
