@@ -7,7 +7,8 @@
    process per length (one model each, the same inputs). Memory: the resident memory one step adds over the
    loaded model, every contender in its own fresh process.
 2. One call of the mapping on attention scores, forward + backward, against ``torch.softmax`` on the same
-   scores (interleaved, one process): ``[2, 9, 512, 512]`` and ``[1, 9, 2048, 2048]`` causal scores,
+   scores (interleaved, one process, at least 5 rounds, each sample the mean of several calls at 512 tokens):
+   ``[2, 9, 512, 512]`` and ``[1, 9, 2048, 2048]`` causal scores,
    <= 2 / 2.5 / 4 / 4x for sparsemax / entmax15 / entmax_bisect(1.3) / learned alpha.
 
     python benchmarks/bench_attention_targets.py                                  # everything (long)
@@ -37,6 +38,8 @@ SPARSE = {  # name -> (attention, attn_options, time target as a multiple of sdp
 CONTENDERS = {"sdpa": ("sdpa", None), **{name: spec[:2] for name, spec in SPARSE.items()}}
 CALL_TARGETS = {"sparsemax": 2.0, "entmax15": 2.5, "entmax_bisect(1.3)": 4.0, "learned alpha (from 1.3)": 4.0}
 CALL_SHAPES = [(2, 9, 512, 512), (1, 9, 2048, 2048)]
+CALL_ENTRIES = 40_000_000  # entries of scores a timed sample of the per-call table covers (several short calls)
+CALL_ROUNDS = 5  # at least this many interleaved rounds in the per-call table
 LAYERS = 4
 
 
@@ -83,6 +86,7 @@ def causal_scores(shape) -> torch.Tensor:
 
 
 def call_table(repeats: int) -> None:
+    repeats = max(repeats, CALL_ROUNDS)
     print("\n| shape | mapping (fwd + bwd) | ms | x torch.softmax | target | |\n|---|---|---:|---:|---:|---|")
     for shape in CALL_SHAPES:
         x = causal_scores(shape)
@@ -94,7 +98,8 @@ def call_table(repeats: int) -> None:
             "entmax_bisect(1.3)": lambda s: hs.entmax_bisect(s, 1.3),
             "learned alpha (from 1.3)": lambda s: hs.entmax_bisect(s, alpha),
         }
-        ms = interleaved_medians({name: mapping_call(fn, x, True) for name, fn in fns.items()}, repeats)
+        calls = max(1, CALL_ENTRIES // x.numel())  # 8 calls a sample at [2, 9, 512, 512], 1 at 2048 tokens
+        ms = interleaved_medians({name: mapping_call(fn, x, True) for name, fn in fns.items()}, repeats, calls)
         for name, target in CALL_TARGETS.items():
             ratio = ms[name] / ms["torch.softmax"]
             print(f"| {list(shape)} | {name} | {ms[name]:.0f} | {ratio:.2f} | {target:g} | {verdict(ratio, target)} |",

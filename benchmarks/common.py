@@ -12,8 +12,9 @@ import torch
 SLOW_SECONDS = 5.0  # a contender slower than this gets only two timed rounds
 
 
-def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each callable, run round-robin so drift hits all of them alike."""
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, calls: int = 1) -> dict[str, float]:
+    """Median milliseconds of each callable, run round-robin so drift hits all of them alike; each sample is the
+    mean of ``calls`` calls in a row (short calls: one call's time is mostly noise)."""
     times = {name: [] for name in fns}
     slow = set()
     for round_ in range(repeats + 1):  # round 0 warms up
@@ -21,8 +22,9 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dic
             if name in slow and round_ > 2:
                 continue
             start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
+            for _ in range(calls):
+                fn()
+            elapsed = (time.perf_counter() - start) / calls
             if round_:
                 times[name].append(elapsed)
             if elapsed > SLOW_SECONDS:

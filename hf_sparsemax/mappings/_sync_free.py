@@ -112,7 +112,7 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
     count = previous = total = first = step = u = power = None
     if steps is None:
         steps = MICHELOT_STEPS if sparsemax else NEWTON_STEPS
-    for _ in range(steps):
+    for pass_ in range(steps):
         at = tau  # the point this pass evaluates
         u = (z - at.to(z.dtype)).clamp_min(0)
         previous, count = count, torch.sign(u).sum(-1, keepdim=True).to(wide)  # u >= 0: the support size
@@ -130,9 +130,12 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
             power = support_log_power(u, 1 / a - 1)[0]
             total = (u * power).sum(-1, keepdim=True).to(wide)
             slope = power.sum(-1, keepdim=True).to(wide)
-            curve = torch.where(u > 0, power / u, 0).sum(-1, keepdim=True).to(wide)  # sum u ** (beta - 2)
             norm = total.pow(a_wide)
-            above, step = norm > 1, halley_or_newton(norm - 1, total, slope, curve, a_wide)
+            if pass_ < steps - 1:  # Halley needs sum u ** (beta - 2); the last step only certifies: Newton's will do
+                curve = torch.where(u > 0, power / u, 0).sum(-1, keepdim=True).to(wide)
+                above, step = norm > 1, halley_or_newton(norm - 1, total, slope, curve, a_wide)
+            else:
+                above, step = norm > 1, (norm - 1) * (total / norm) / slope
         lo, hi = torch.where(above, at, lo), torch.where(above, hi, at)
         proposal = at + step
         proposal = torch.where((proposal >= lo) & (proposal <= hi), proposal, (lo + hi) / 2)
