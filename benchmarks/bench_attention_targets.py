@@ -133,7 +133,7 @@ def main() -> None:
                         cells[2:] = [f"{target:g}", verdict(ms[name] / ms["sdpa"], target)]
                 memory = ["", "", "", ""]
                 if mib is not None:
-                    memory[:2] = [f"{mib[name]:.0f}", f"{mib[name] / mib['sdpa']:.2f}"]
+                    memory[:2] = [f"{mib[name]:.0f}", f"{mib[name] / mib['sdpa']:.3f}"]
                 if name in SPARSE and mib is not None:
                     memory[2:] = ["1", verdict(mib[name] / mib["sdpa"], 1.0)]
                 print(f"| {seq} | {name} | " + " | ".join(cells + memory) + " |", flush=True)
