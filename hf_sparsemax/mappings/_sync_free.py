@@ -131,11 +131,10 @@ def newton_certified(rows: torch.Tensor, alpha: float | torch.Tensor, masked: fl
             total = (u * power).sum(-1, keepdim=True).to(wide)
             slope = power.sum(-1, keepdim=True).to(wide)
             norm = total.pow(a_wide)
-            if pass_ < steps - 1:  # Halley needs sum u ** (beta - 2); the last step only certifies: Newton's will do
+            curve = None  # Halley needs sum u ** (beta - 2); the last step only certifies: Newton's will do
+            if pass_ < steps - 1:
                 curve = torch.where(u > 0, power / u, 0).sum(-1, keepdim=True).to(wide)
-                above, step = norm > 1, halley_or_newton(norm - 1, total, slope, curve, a_wide)
-            else:
-                above, step = norm > 1, (norm - 1) * (total / norm) / slope
+            above, step = norm > 1, halley_or_newton(norm - 1, total, slope, curve, a_wide)
         lo, hi = torch.where(above, at, lo), torch.where(above, hi, at)
         proposal = at + step
         proposal = torch.where((proposal >= lo) & (proposal <= hi), proposal, (lo + hi) / 2)
@@ -176,18 +175,19 @@ def level_bound(z: torch.Tensor, am1, wide: torch.dtype) -> torch.Tensor:
         inside = z > -(2.0 ** -k)
         size = inside.sum(-1, keepdim=True).to(wide).clamp_min(1)
         mean = torch.where(inside, z, 0).sum(-1, keepdim=True).to(wide) / size
-        best = torch.maximum(best, mean - (1 / size if not isinstance(am1, torch.Tensor) and am1 == 1
-                                           else size.pow(-am1)))
+        best = torch.maximum(best, mean - size.pow(-am1))
     return best
 
 
 def halley_or_newton(h, total, slope, curve, a):
     """The step on ``N(tau) = S ** a - 1`` (``a = alpha - 1``, ``S = sum u ** beta``, ``h = N``) from the pass's
     sums ``slope = sum u ** (beta - 1)`` and ``curve = sum u ** (beta - 2)``: Halley's
-    ``-2 N N' / (2 N'^2 - N N'')`` where ``beta >= 2``, else Newton's ``-N / N'``, with
+    ``-2 N N' / (2 N'^2 - N N'')`` where ``beta >= 2`` (and ``curve`` is given), else Newton's ``-N / N'``, with
     ``N' = -S ** (a - 1) slope`` and ``N'' = (1 - 1/a) S ** (a - 2) slope^2 + (1/a - 1) S ** (a - 1) curve``."""
     at_power = total.pow(a - 1)  # S ** (a - 1)
     d1 = -at_power * slope
+    if curve is None:
+        return -h / d1
     d2 = (1 - 1 / a) * at_power / total * slope.square() + (1 / a - 1) * at_power * curve
     newton = -h / d1
     halley = -2 * h * d1 / (2 * d1.square() - h * d2)
