@@ -5,13 +5,14 @@ entries with a ``threshold``) the weights of a query row are
 
     p = relu((alpha - 1)(s - shift) - tau) ** (1 / (alpha - 1)),   s = q k^T * scaling + mask,
 
-so two numbers per row (``shift``, ``tau``) give back the whole row. The
+so one number per row (``tau``; ``shift`` is the row's maximum) gives back the whole row. The
 forward runs the queries in blocks whose scores ``[B, H, block, kv]`` hold at
 most ``ATTENTION_BUDGET`` entries (all queries in one block when the whole
 ``[B, H, q, kv]`` fits; at long lengths ``MIN_BLOCK_QUERIES`` queries, see
 :func:`block_queries`), solves each row's threshold, and keeps only
-``shift`` and ``tau``: nothing of size ``q x kv`` outlives a block, as with a
-flash kernel. The backward recomputes each block's scores and maps them with
+``tau`` (in the scores' dtype: 4 bytes a row in float32, as a flash kernel's
+log-sum-exp; ``shift`` is the row's maximum, found again): nothing of size
+``q x kv`` outlives a block. The backward recomputes each block's scores and maps them with
 the saved threshold (one pass; no solve), then, with ``s_i = p_i ** (2 - alpha)``
 on the support (the mapping's Jacobian, :func:`~hf_sparsemax.mappings.entmax.entmax_vjp`):
 
@@ -150,7 +151,7 @@ def block_scores(problem: Problem, part: Block):
 
 
 def forward_blocks(problem: Problem, block: int):
-    """Output ``[B, Hkv, G, q, D]``, the blocks, and each block's ``(shift, tau)``."""
+    """Output ``[B, Hkv, G, q, D]``, the blocks, and each block's thresholds ``tau`` (``[rows, 1]``)."""
     query, value = problem.query, problem.value
     out = query.new_zeros(query.shape)
     parts, states = blocks(problem, block), []
@@ -159,11 +160,11 @@ def forward_blocks(problem: Problem, block: int):
             states.append(None)
             continue
         scores, _, alpha = block_scores(problem, part)
-        p, state = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
-                                    problem.threshold)
+        p, tau = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
+                                  problem.threshold)
         p = p.view(scores.shape)
         del scores
-        states.append(state)
+        states.append(tau)
         block_out = torch.matmul(p, value[..., part.low : part.high, :])
         out[..., part.start : part.stop, :] = block_out.view(*query.shape[:3], part.stop - part.start, -1)
         del p
@@ -176,8 +177,8 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
     batch, kv_heads, groups, _, dim = query.shape
     d_query, d_key, d_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     d_alpha = torch.zeros(1, kv_heads, groups, 1, 1, dtype=torch.float64) if alpha_grad else None
-    for part, state in zip(parts, states):
-        if state is None:
+    for part, tau in zip(parts, states):
+        if tau is None:
             continue
         rows = part.stop - part.start
         keys = slice(part.low, part.high)
@@ -185,7 +186,8 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
         d_out = grad_out[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
         d_weights = torch.matmul(d_out, value[..., keys, :].transpose(-1, -2))
         n = scores.shape[-1]
-        p, d_scores, d_a = compiled.weights_vjp(scores.view(-1, n), state, d_weights.view(-1, n), alpha, alpha_grad)
+        p, d_scores, d_a = compiled.weights_vjp(scores.view(-1, n), tau, d_weights.view(-1, n),
+                                                masked_below(scores.dtype), alpha, alpha_grad)
         del scores, d_weights
         p, d_scores = p.view(d_out.shape[:-1] + (n,)), d_scores.view(d_out.shape[:-1] + (n,))
         d_value[..., keys, :] += torch.matmul(p.transpose(-1, -2), d_out)

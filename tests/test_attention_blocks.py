@@ -171,6 +171,33 @@ def test_backward_keeps_no_query_by_key_tensor(causal, monkeypatch):
     assert q.grad is not None and module.hf_sparsemax_alpha.pre_alpha.grad.abs().sum() > 0
 
 
+def threshold_node(out: torch.Tensor):
+    """The :class:`ThresholdAttention` node behind ``out`` (its context holds what the backward keeps)."""
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.startswith("ThresholdAttention"):
+            return node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    raise AssertionError("no ThresholdAttention node")
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_the_backward_keeps_one_threshold_a_row_in_the_scores_dtype(setup, monkeypatch):
+    """Per query row and head, one float32 number outlives the forward (4 bytes, as sdpa's log-sum-exp): the
+    threshold; the row's shift (its maximum) is found again from the recomputed scores."""
+    small_blocks(monkeypatch, B * H * L * 4)  # blocks of 4 queries
+    module, attn = module_for(setup)
+    q, k, v = inputs()
+    out, _ = sparse_attention_forward(module, q, k, v, masks()["causal+padding"], scaling=0.4, mapping=attn)
+    states = threshold_node(out).states
+    assert len(states) == -(-L // 4)
+    assert all(t.dtype == torch.float32 and t.shape[1:] == (1,) for t in states)
+    assert sum(t.numel() for t in states) == B * H * L
+
 @pytest.mark.parametrize("causal", ["causal", "is_causal"])
 @pytest.mark.parametrize("setup", ["entmax15", "learned"])
 def test_first_and_second_derivatives_in_float64(setup, causal, monkeypatch):
@@ -234,11 +261,11 @@ def test_rows_the_fixed_passes_do_not_certify_get_the_eager_exact_threshold(comp
         reference = hs.sparsemax(rows)
     monkeypatch.setattr(compiled, "newton_certified", uncertain)
     eager = lambda r, masked, alpha: sparsemax_threshold(r, masked)  # noqa: E731
-    p, (shift, tau) = compiled.weights(rows.clone(), MIN, 2.0, eager)
+    p, tau = compiled.weights(rows.clone(), MIN, 2.0, eager)
     torch.testing.assert_close(p[1::2], reference[1::2], rtol=0, atol=1e-7)  # re-solved: exact
     assert not torch.allclose(p[::2], reference[::2])  # certified rows keep the (here shifted) compiled answer
     grad = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
-    p_again, d_rows, _ = compiled.weights_vjp(rows.clone(), (shift, tau), grad, 2.0, False)
+    p_again, d_rows, _ = compiled.weights_vjp(rows.clone(), tau, grad, MIN, 2.0, False)
     x = rows.clone().requires_grad_()
     torch.testing.assert_close(p_again, p, rtol=0, atol=1e-7)
     with pytest.MonkeyPatch.context() as patch:

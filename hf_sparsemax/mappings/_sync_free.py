@@ -43,6 +43,14 @@ def special_rows(top1: torch.Tensor, masked: float) -> torch.Tensor:
     return (top1 <= masked) | torch.isnan(top1) | (top1 == float("inf"))
 
 
+def row_shift(rows: torch.Tensor, masked: float) -> torch.Tensor:
+    """``[rows, 1]``: what the solvers subtract from a row, its maximum (0 for a fully masked row; a row holding NaN
+    or ``+inf`` has a NaN threshold, so its shift does not matter). The same bits as every solver's shift, so a
+    saved threshold and the rows give back the weights without a saved shift."""
+    top1 = rows.amax(-1, keepdim=True)
+    return top1.masked_fill(special_rows(top1, masked), 0.0)
+
+
 def mark_special_rows(tau: torch.Tensor, top1: torch.Tensor, masked: float) -> torch.Tensor:
     """``tau = +inf`` for fully masked rows (output 0) and NaN for rows whose maximum is NaN or ``+inf``."""
     tau = tau.masked_fill(top1 <= masked, float("inf"))

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._core import entmax_vjp, masked_below, threshold_map
-from ._sync_free import SHORT_ROWS, newton_certified, newton_steps, power_map, support_log_power
+from ._sync_free import SHORT_ROWS, newton_certified, newton_steps, power_map, row_shift, support_log_power
 from ._sync_free import threshold_map as sync_free_map
 
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
@@ -93,9 +93,11 @@ def passes(alpha: float | torch.Tensor) -> int | None:
     return newton_steps(float(alpha.detach().max()))
 
 
-def map_and_vjp(rows, shift, tau, grad, alpha_grad: bool, alpha):
-    """``(p, J_x^T grad, J_alpha^T grad or None)`` from the scores and their saved threshold."""
+def map_and_vjp(rows, tau, grad, masked: float, alpha_grad: bool, alpha):
+    """``(p, J_x^T grad, J_alpha^T grad or None)`` from the scores and their saved threshold (the shift, each row's
+    maximum, found again: :func:`._sync_free.row_shift`)."""
     alpha = named(alpha)
+    shift = row_shift(rows, masked)
     if not isinstance(alpha, torch.Tensor):
         p = map_rows(rows, shift, tau, alpha)
         return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
@@ -129,8 +131,8 @@ def run(fn: Callable, *args, alpha: float | torch.Tensor):
 
 
 def settle(rows, masked, alpha, threshold, found):
-    """``(p, (shift, tau))`` from the compiled kernel's answer, the rows it did not certify solved again by the eager
-    exact ``threshold`` (rare)."""
+    """``(p, tau)`` from the compiled kernel's answer, the rows it did not certify solved again by the eager
+    exact ``threshold`` (rare); ``tau`` in the rows' dtype, as the map reads it."""
     p, shift, tau, done = found
     todo = (~done).squeeze(1).nonzero().squeeze(1)
     if todo.numel():
@@ -138,33 +140,36 @@ def settle(rows, masked, alpha, threshold, found):
         sub = rows.index_select(0, todo)
         shift[todo], tau[todo] = threshold(sub, masked, row_alpha)
         p[todo] = threshold_map(sub, shift[todo], tau[todo], row_alpha - 1, 1 / (row_alpha - 1))
-    return p, (shift, tau)
+    return p, tau.to(rows.dtype)
 
 
 def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, threshold: Callable):
-    """``(p, (shift, tau))`` of ``[rows, n]`` scores; ``threshold(rows, masked, alpha)`` is the eager exact solver.
+    """``(p, tau)`` of ``[rows, n]`` scores; ``threshold(rows, masked, alpha)`` is the eager exact solver.
 
     ``alpha`` is the mapping's alpha (2 for sparsemax, 1.5 for entmax15), a float or ``[rows, 1]``. The weights
-    are written over ``rows`` on the eager path.
+    are written over ``rows`` on the eager path. ``tau`` (``[rows, 1]`` in the rows' dtype, the precision the map
+    reads it in) is all :func:`weights_vjp` needs besides the rows: 4 bytes a row in float32, as a flash
+    kernel's log-sum-exp. The other number of a row, its shift, is the row's maximum, found again from the rows.
     """
     found = run(solve_and_map_in(passes(alpha)), rows, masked, alpha=alpha) if applies(rows) else None
     if found is None:
         shift, tau = threshold(rows, masked, alpha)
-        return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), (shift, tau)
+        return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), tau.to(rows.dtype)
     return settle(rows, masked, alpha, threshold, found)
 
 
-def weights_vjp(rows: torch.Tensor, state, grad: torch.Tensor, alpha, alpha_grad: bool):
-    """``(p, J_x^T grad, J_alpha^T grad or None)`` of the weights of ``rows`` given their threshold ``state``.
+def weights_vjp(rows: torch.Tensor, tau: torch.Tensor, grad: torch.Tensor, masked: float, alpha, alpha_grad: bool):
+    """``(p, J_x^T grad, J_alpha^T grad or None)`` of the weights of ``rows`` given their threshold ``tau`` (from
+    :func:`weights`; the shift is each row's maximum, :func:`._sync_free.row_shift`, the same bits as the
+    solver's).
 
     The same path as :func:`weights` took for these rows (compiled or eager), so ``p`` is the forward's weights
     (to the rounding of the fused pass on the rare rows the eager solver settled).
     """
-    shift, tau = state
-    found = run(map_and_vjp, rows, shift, tau, grad, alpha_grad, alpha=alpha) if applies(rows) else None
+    found = run(map_and_vjp, rows, tau, grad, masked, alpha_grad, alpha=alpha) if applies(rows) else None
     if found is not None:
         return found
-    p = threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows)
+    p = threshold_map(rows, row_shift(rows, masked), tau, alpha - 1, 1 / (alpha - 1), out=rows)
     return (p, *entmax_vjp(p, grad, alpha, -1, alpha_grad))
 
 
