@@ -198,6 +198,7 @@ def test_the_backward_keeps_one_threshold_a_row_in_the_scores_dtype(setup, monke
     assert all(t.dtype == torch.float32 and t.shape[1:] == (1,) for t in states)
     assert sum(t.numel() for t in states) == B * H * L
 
+
 @pytest.mark.parametrize("causal", ["causal", "is_causal"])
 @pytest.mark.parametrize("setup", ["entmax15", "learned"])
 def test_first_and_second_derivatives_in_float64(setup, causal, monkeypatch):
