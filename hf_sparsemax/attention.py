@@ -173,7 +173,7 @@ def attend(module, query, *, key, value, mask, scaling, dropout, softcap, positi
     """Weights ``[B, H, q, kv]`` and output ``[B, H, q, D]`` for one block of queries (``causal``: the position of
     its first query when ``mask`` is a plain causal mask left to the attention)."""
     if causal is not None:
-        mask = causal_mask(causal, causal + query.shape[-2], 0, key.shape[-2], query.dtype, query.device)
+        mask = causal_mask(causal, causal + query.shape[-2], slice(0, key.shape[-2]), query.dtype, query.device)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

@@ -8,6 +8,8 @@ in float64 to first and second order, and the memory bound by what autograd keep
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
 import hf_sparsemax as hs
@@ -86,17 +88,26 @@ def small_blocks(monkeypatch, budget: int) -> None:
     monkeypatch.setattr(attention_blocks, "MIN_BLOCK_QUERIES", 1)
 
 
+def gather_always(monkeypatch) -> None:
+    """Every block gathers its live keys, for P V and backward (by default only where few enough are live)."""
+    monkeypatch.setattr(attention_blocks, "GATHER_BELOW", 1.0)
+    monkeypatch.setattr(attention_blocks, "GATHER_WEIGHTS_BELOW", 1.0)
+
+
 def inputs(dtype=torch.float32, length: int = L, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, length, D), (B, H_KV, length, D), (B, H_KV, length, D)]
     return [(torch.randn(s, generator=g, dtype=dtype) * 1.5).requires_grad_() for s in shapes]
 
 
+@pytest.mark.parametrize("gather", ["where it pays", "always"])
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("budget", [None, 1, 100])  # one block; one query per block; a few queries per block
-def test_blocked_path_equals_the_materialised_formula(setup, budget, monkeypatch):
+def test_blocked_path_equals_the_materialised_formula(setup, budget, gather, monkeypatch):
     if budget is not None:
         small_blocks(monkeypatch, budget)
+    if gather == "always":
+        gather_always(monkeypatch)
     for name, mask in masks().items():
         module, attn = module_for(setup)
         module.is_causal = name == "is_causal"
@@ -199,11 +210,82 @@ def test_the_backward_keeps_one_threshold_a_row_in_the_scores_dtype(setup, monke
     assert sum(t.numel() for t in states) == B * H * L
 
 
+def far_keys(length: int = 40, far=range(8, 30)):
+    """Inputs where every query weighs nothing on the keys ``far`` (their scores sit far below the rest)."""
+    q, k, v = [t.detach() for t in inputs(length=length)]
+    q[..., 0], k[..., 0] = 4.0, 0.0
+    k[..., list(far), 0] = -8.0
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("mask", ["none", "is_causal", "causal+padding", "per head"])
+def test_keys_no_query_weighs_are_left_out_of_p_v_and_the_backward(setup, mask, monkeypatch):
+    """Block skipping: a block's ``P V`` and its backward (``Q K^T`` again, ``dO V^T``, the Jacobian product, ``dQ``,
+    ``dK``, ``dV``) run over the keys some of its queries weigh; the gradients equal the dense path's and the
+    materialised formula's."""
+    length, far = 40, range(8, 30)
+    small_blocks(monkeypatch, B * H * length * 10)  # blocks of 10 queries
+    widths = []
+    original = compiled.weights_vjp
+    monkeypatch.setattr(compiled, "weights_vjp", lambda rows, *a: widths.append(rows.shape[1]) or original(rows, *a))
+    results, given_mask = {}, masks(length)[mask]
+    for gather in (True, False):
+        monkeypatch.setattr(attention_blocks, "GATHER_BELOW", 0.9 if gather else 0.0)
+        module, attn = module_for(setup)
+        module.is_causal = mask == "is_causal"
+        q, k, v = far_keys(length, far)
+        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+        out, _ = sparse_attention_forward(module, q, k, v, given_mask, scaling=0.4, mapping=attn)
+        parts = threshold_node(out).parts
+        results[gather] = out, torch.autograd.grad(out.square().sum(), leaves)
+        if gather:
+            live = [part.keys() for part in parts if part.high > part.low]
+            assert all(isinstance(keys, torch.Tensor) for keys in live[1:])  # the first block sees no far key
+            assert not any(set(keys.tolist()) & set(far) for keys in live if isinstance(keys, torch.Tensor))
+            assert max(widths) <= length - len(far)
+            widths.clear()
+            reference = materialised(module, setup, q, k, v, masks(length)["causal"] if module.is_causal
+                                     else given_mask, 0.4)
+            expected = torch.autograd.grad(reference.square().sum(), leaves)
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-6)
+            for a, b in zip(results[True][1], expected):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    assert max(widths) == length  # without gathering every key is recomputed
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=1e-6)
+    for a, b in zip(results[True][1], results[False][1]):  # to the rounding of sums over fewer (zero) terms
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert (results[True][1][1][..., list(far), :] == 0).all()  # no weight, no gradient for those keys
+
+
+@given(st.lists(st.booleans(), max_size=40))
+def test_live_key_bits_round_trip(flags):
+    flags = torch.tensor(flags, dtype=torch.bool)
+    bits = attention_blocks.pack_bits(flags)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-flags.numel() // 8)
+    assert torch.equal(attention_blocks.unpack_bits(bits, flags.numel()), flags)
+
+
+def test_a_nan_row_keeps_every_key_of_its_block(monkeypatch):
+    """NaN weights count as live: a NaN query gives NaN outputs and gradients, never zeros from skipped keys."""
+    module, attn = module_for("sparsemax")
+    q, k, v = far_keys()
+    with torch.no_grad():
+        q[0, 0, 3, 1] = float("nan")
+    out, _ = sparse_attention_forward(module, q, k, v, None, scaling=0.4, mapping=attn)
+    assert threshold_node(out).parts[0].live is None
+    assert torch.isnan(out[0, 3, 0]).all() and not torch.isnan(out[1]).any()
+
+
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("causal", ["causal", "is_causal"])
 @pytest.mark.parametrize("setup", ["entmax15", "learned"])
-def test_first_and_second_derivatives_in_float64(setup, causal, monkeypatch):
-    """float64 gradcheck and gradgradcheck of the blocked path (one query per block), alphas included."""
+def test_first_and_second_derivatives_in_float64(setup, causal, gather, monkeypatch):
+    """float64 gradcheck and gradgradcheck of the blocked path (one query per block), alphas included, with and
+    without gathering the live keys."""
     small_blocks(monkeypatch, 2 * H * 5)
+    if gather:
+        gather_always(monkeypatch)
     module, attn = module_for(setup, torch.float64)
     module.is_causal = causal == "is_causal"
     q, k, v = [t.detach().double().requires_grad_() for t in inputs(length=5)]
@@ -228,9 +310,12 @@ def test_alphas_below_the_float32_range_take_the_float64_materialised_path():
     torch.testing.assert_close(out, materialised(module, "learned", q, k, v, mask, D**-0.5), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("setup", ["sparsemax", "learned"])
-def test_compiled_kernels_equal_the_materialised_formula(setup, compiled_kernels, monkeypatch):
+def test_compiled_kernels_equal_the_materialised_formula(setup, gather, compiled_kernels, monkeypatch):
     small_blocks(monkeypatch, 100)
+    if gather:
+        gather_always(monkeypatch)
     calls = compiled_kernels
     module, attn = module_for(setup)
     q, k, v = inputs()
