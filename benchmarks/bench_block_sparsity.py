@@ -1,15 +1,15 @@
-"""How much of a sparse attention a block-skipping kernel could skip: the share of all-zero tiles.
+"""Block skipping on real text: how much of a sparse attention is exactly zero, and what skipping it saves.
 
-Block skipping (AdaSplash; issue 25, item 3) pays off when a whole tile of weights is exactly zero: the tile's
-``P V`` product and its backward can then be left out. This counts those tiles in the attention of the offline
-SmolLM2-135M (pretrained weights, patched with each sparse attention) on the offline fortunes corpus, at two tile
-granularities:
+Block skipping (AdaSplash; issue 25, item 3) leaves out the ``P V`` product and the backward over keys whose
+weights are all exactly zero. This counts them in the attention of the offline SmolLM2-135M (pretrained weights,
+patched with each sparse attention) on the offline fortunes corpus, at three granularities:
 
 - ``per-head 64 x 64``: a GPU kernel's tile (one head, 64 queries, 64 keys), what AdaSplash skips;
 - ``CPU block x 64``: one query block of the memory-bounded CPU path (every head of ``block_queries(...)`` queries,
-  as ``hf_sparsemax.attention_blocks`` runs them) against 64 keys.
+  as ``hf_sparsemax.attention_blocks`` runs them) against 64 keys;
+- ``keys no query of a CPU block weighs``: single keys of such a block, what ``attention_blocks`` skips.
 
-Tiles wholly in the masked future are left out of both counts (every path skips those already); ``zeros`` is the
+Keys and tiles wholly in the masked future are left out of the counts (every path skips those already); ``zeros`` is the
 share of exactly-zero weights among the visible ones.
 
 With ``--time``, one training step of the same model (forward, loss, backward) at ``--seq`` tokens, each
