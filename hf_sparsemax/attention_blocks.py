@@ -116,11 +116,10 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     return bits[:, None].bitwise_and(BITS.to(bits.device)).ne(0).flatten()[:n]
 
 
-def live_keys(p: torch.Tensor) -> torch.Tensor | None:
-    """``[n]``: whether some row of ``p [..., rows, n]`` weighs each key, or None when too many do to gather them
-    (more than ``GATHER_BELOW`` of the keys). A NaN weight counts as live, so NaN stays NaN."""
-    live = p.reshape(-1, p.shape[-1]).amax(0).ne(0)
-    return live if int(live.sum()) <= GATHER_BELOW * live.numel() else None
+def live_keys(p: torch.Tensor) -> torch.Tensor:
+    """``[n]``: whether some row of ``p [..., rows, n]`` weighs each key. A NaN weight counts as live, so NaN stays
+    NaN."""
+    return p.reshape(-1, p.shape[-1]).amax(0).ne(0)
 
 
 class Problem(NamedTuple):
@@ -215,12 +214,13 @@ def forward_blocks(problem: Problem, block: int):
         p = p.view(scores.shape)
         del scores
         states.append(tau)
-        live, keys = live_keys(p), slice(part.low, part.high)
-        if live is not None:  # the keys some query weighs: the others' weights are exactly 0
+        live, keys = live_keys(p), slice(part.low, part.high)  # the others' weights are exactly 0
+        used = int(live.sum())
+        if used <= GATHER_BELOW * live.numel():
             part = part._replace(live=pack_bits(live))
-            if int(live.sum()) <= GATHER_WEIGHTS_BELOW * live.numel():
-                keys = part.keys()
-                p = p.index_select(-1, keys - part.low)
+        if used <= GATHER_WEIGHTS_BELOW * live.numel():
+            index = live.nonzero().squeeze(1)
+            p, keys = p.index_select(-1, index), index + part.low
         parts.append(part)
         block_out = torch.matmul(p, value[..., keys, :])
         out[..., part.start : part.stop, :] = block_out.view(*query.shape[:3], part.stop - part.start, -1)
