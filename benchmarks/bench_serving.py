@@ -22,7 +22,7 @@ import torch
 
 import hf_sparsemax as hs
 from hf_sparsemax.app.assets import load_smollm2
-from hf_sparsemax.serving.decoding import BatchDecoding, Choice, request_choice
+from hf_sparsemax.decoding.engine import BatchDecoding, Choice, request_choice
 from common import interleaved_medians
 
 CONTENDERS = {

@@ -6,7 +6,7 @@ a batch of ``--batch`` x ``--length`` tokens whose first quarter is prompt
 model (same weights) under its own ``SFTTrainer``; ``trainer.training_step``
 is timed in interleaved rounds (median). TRL's default computes
 ``log_softmax`` of the head in chunks (its ``fused_lm_head``); a patched model
-answers that request with its own loss (``hf_sparsemax.trl_support``).
+answers that request with its own loss (``hf_sparsemax.integrations.trl``).
 
     python benchmarks/bench_trl.py                  # 4 x 256 tokens, 2 timed rounds
     python benchmarks/bench_trl.py --batch 8 --length 512 --repeats 1

@@ -9,8 +9,8 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a bare i
         name="torch",
     ) from error
 
-from .attention import LearnedAlpha, register_attention, supported_families
-from .losses import (
+from .attention.interface import LearnedAlpha, register_attention, supported_families
+from .mappings.loss_functions import (
     Entmax15Loss,
     EntmaxBisectLoss,
     SparsemaxLoss,
@@ -22,10 +22,10 @@ from .losses import (
     sparsemax_bisect_loss,
     sparsemax_loss,
 )
-from .loss_names import mapping_loss
-from .likelihood import perturb_max_loss, taylor_softmax_loss
-from .margin import am_softmax_loss
-from .generation import (
+from .losses.names import mapping_loss
+from .mappings.likelihood import perturb_max_loss, taylor_softmax_loss
+from .mappings.margin import am_softmax_loss
+from .decoding.generation import (
     EntmaxLogitsProcessor,
     MappingLogitsProcessor,
     SparsemaxLogitsProcessor,
@@ -33,12 +33,13 @@ from .generation import (
     decoding_report,
     logits_processors,
 )
-from .fused import FusedHeadLoss, fused_head_loss
+from .losses.fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
-from .reload import install_load_hook
+from .integrations.reload import install_load_hook
+from .integrations.vllm import vllm_generation_kwargs
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, perturb_max, sparse_softmax, sparsemax
 from .mappings import sparsemax_bisect, taylor_softmax
-from .modules import (  # generated from the registry of mappings: one module per mapping and per loss
+from .mappings.modules import (  # generated from the registry of mappings: one module per mapping and per loss
     AMSoftmax,
     AMSoftmaxLoss,
     BudgetBisect,
@@ -59,7 +60,7 @@ from .modules import (  # generated from the registry of mappings: one module pe
 __version__ = "0.1.0"
 
 register_attention()  # every attention of the registry ("sparsemax", "entmax15", ...) becomes an attn_implementation name
-install_load_hook()  # from_pretrained restores a saved sparse model (hf_sparsemax.reload)
+install_load_hook(patch_model)  # from_pretrained restores a saved sparse model (hf_sparsemax.integrations.reload)
 
 __all__ = [
     "LearnedAlpha",
@@ -113,4 +114,5 @@ __all__ = [
     "SparsemaxBisectLoss",
     "TaylorSoftmax",
     "TaylorSoftmaxLoss",
+    "vllm_generation_kwargs",
 ]

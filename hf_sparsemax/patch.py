@@ -1,13 +1,14 @@
 """``patch_model`` / ``unpatch_model``: swap a transformers model's attention and loss (and keep the choice in its config).
 
-Each thing that changes is a swap point of :mod:`hf_sparsemax.swaps`
-(attention, fused forward, cosine head, loss, matched ``generate``, TRL's
-token outputs), all with one protocol: ``plan`` validates and changes
+Each thing that changes is a swap of :mod:`hf_sparsemax.swaps`
+(attention, fused forward, cosine head, loss, matched ``generate``) or of an
+engine in :mod:`hf_sparsemax.integrations` (Trainer's guard, peft's alphas,
+TRL's token outputs, the model card), all with one protocol: ``plan`` validates and changes
 nothing, ``apply`` installs, ``remove`` undoes. This module only
 orchestrates: it works out the settings a call asks for, plans every swap
 (so a refused patch leaves the model as it was), removes them in reverse
 order, applies them in order, and records the settings where
-``save_pretrained`` and ``from_pretrained`` find them (:mod:`hf_sparsemax.load_marks`).
+``save_pretrained`` and ``from_pretrained`` find them (:mod:`hf_sparsemax.integrations.load_marks`).
 Instances are patched, never classes.
 """
 
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import integrations, swaps
 from ._model import base_model
-from .load_marks import clear as clear_load_marks
-from .load_marks import mark as mark_for_load
+from .integrations.load_marks import clear as clear_load_marks
+from .integrations.load_marks import mark as mark_for_load
 from .settings import CONFIG_KEY, SparseSettings
-from .swaps import SWAPS, PatchRequest
+from .swaps import PatchRequest, Swap
 from .swaps.loss_swap import compute_loss_func, swaps_loss
 
-__all__ = ["base_model", "compute_loss_func", "patch_model", "requested", "swaps_loss", "unpatch_model"]
+SWAPS: tuple[Swap, ...] = (*swaps.SWAPS, *integrations.SWAPS)  # applied in this order, removed in reverse
+
+__all__ = ["SWAPS", "base_model", "compute_loss_func", "patch_model", "requested", "swaps_loss", "unpatch_model"]
 
 
 def requested(inner, attn=None, loss=None, attn_options=None, loss_options=None) -> PatchRequest | None:
@@ -72,10 +76,10 @@ def patch_model(
     saved in ``model.config`` are re-applied. Settings are stored in
     ``model.config.hf_sparsemax`` and saved by ``save_pretrained``; with
     hf_sparsemax imported, ``from_pretrained`` of that folder gives the patched
-    model back (:mod:`hf_sparsemax.reload`). A causal
+    model back (:mod:`hf_sparsemax.integrations.reload`). A causal
     LM's ``generate(do_sample=True)`` then samples from the distribution the
-    loss trains (see :mod:`hf_sparsemax.generation`), and ``trl.SFTTrainer``
-    trains the patched loss (see :mod:`hf_sparsemax.trl_support`).
+    loss trains (see :mod:`hf_sparsemax.decoding.generation`), and ``trl.SFTTrainer``
+    trains the patched loss (see :mod:`hf_sparsemax.integrations.trl`).
     Everything is validated before anything changes: a ``ValueError`` leaves the model as it was.
     """
     inner = base_model(model)

@@ -10,7 +10,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-from .attention import ATTENTION_MAPPINGS, AttentionOptions
+from .attention.interface import ATTENTION_MAPPINGS, AttentionOptions
 from .mappings import registry
 
 CONFIG_KEY = "hf_sparsemax"

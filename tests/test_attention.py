@@ -7,8 +7,8 @@ from transformers import AttentionInterface, GPTJConfig, GPTJForCausalLM, Falcon
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
 
 import hf_sparsemax as hs
-from hf_sparsemax import attention
-from hf_sparsemax.attention import ATTENTION_MAPPINGS, mask_function as attention_mask, sparse_attention_forward
+from hf_sparsemax.attention import interface as attention
+from hf_sparsemax.attention.interface import ATTENTION_MAPPINGS, mask_function as attention_mask, sparse_attention_forward
 
 from families import FAMILIES, NEWLY_ROUTED, batch, tiny_model
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
 import hf_sparsemax as hs
-from hf_sparsemax import attention_blocks
+from hf_sparsemax.attention import blocks as attention_blocks
 from hf_sparsemax.mappings import compiled
-from hf_sparsemax.attention import ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions, LearnedAlpha, sparse_attention_forward
+from hf_sparsemax.attention.interface import ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions, LearnedAlpha, sparse_attention_forward
 
 MIN = torch.finfo(torch.float32).min
 B, H, H_KV, L, D = 2, 4, 2, 13, 8

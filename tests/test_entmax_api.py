@@ -27,7 +27,7 @@ from torch.autograd import gradcheck
 import hf_sparsemax as hs
 import hf_sparsemax.losses
 import hf_sparsemax.mappings
-from hf_sparsemax import modules
+from hf_sparsemax.mappings import modules
 from hf_sparsemax.mappings import registry
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "from-entmax.md"

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hf_sparsemax as hs
-from hf_sparsemax.generation import processor_for
-from hf_sparsemax.loss_names import make_loss
+from hf_sparsemax.decoding.generation import processor_for
+from hf_sparsemax.losses.names import make_loss
 from hf_sparsemax.mappings import _core, registry
 
 NAN, INF = float("nan"), float("inf")

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_sparsemax as hs
-from hf_sparsemax.loss_names import make_loss
+from hf_sparsemax.losses.names import make_loss
 
 CASES = [
     ("sparse_softmax", {"top_k": 5}),

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import hf_sparsemax as hs
-from hf_sparsemax.fused_heads import HEAD_TRANSFORMS
+from hf_sparsemax.losses.fused_heads import HEAD_TRANSFORMS
 
 from families import DECODER, FAMILIES, NEWLY_ROUTED
 

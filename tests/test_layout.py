@@ -1,4 +1,5 @@
-"""The package's layout: the library never imports the app, and the shipped recipes survive a real install."""
+"""The package's layout: its parts are layers (no import runs back up, none circles), the library never imports the
+app, and the shipped recipes survive a real install."""
 
 import ast
 import os
@@ -13,12 +14,13 @@ PACKAGE = os.path.dirname(hf_sparsemax.__file__)
 ROOT = os.path.dirname(PACKAGE)
 
 
-def imported_modules(path, top_level_only=False):
+def imported_modules(path, top_level_only=False, package=None):
     """Absolute names of the hf_sparsemax modules a file imports (relative imports resolved).
 
-    ``top_level_only``: only the imports run when the module is imported (not those inside functions).
+    ``top_level_only``: only the imports run when the module is imported (not those inside functions);
+    ``package``: the file's package (default: from its place under the checkout).
     """
-    package = os.path.relpath(os.path.dirname(path), ROOT).replace(os.sep, ".")
+    package = package or os.path.relpath(os.path.dirname(path), ROOT).replace(os.sep, ".")
     tree = ast.parse(open(path).read())
     names = set()
     for node in (tree.body if top_level_only else ast.walk(tree)):
@@ -41,6 +43,8 @@ def test_imported_modules_resolves_relative_imports(tmp_path):
     app_module = os.path.join(PACKAGE, "app", "runner.py")
     assert "hf_sparsemax.patch" in imported_modules(app_module)
     assert "hf_sparsemax.app.recipes" in imported_modules(app_module)
+    plugin = os.path.join(PACKAGE, "integrations", "vllm", "plugin.py")
+    assert "hf_sparsemax.decoding.engine" in imported_modules(plugin)  # three levels up, then down
 
 
 def test_no_library_module_imports_the_app():
@@ -119,3 +123,63 @@ def test_every_package_ships_and_the_recipes_have_one_copy_at_the_top_level():
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")) == [
         "classify.yaml", "default.yaml"]
     assert not os.path.exists(os.path.join(PACKAGE, "app", "recipes"))
+
+
+# The parts of the package, lowest first: a module imports its own part and lower layers only (lazy imports
+# included). Parts on one layer import none of each other. The root's modules are parts of their own.
+LAYERS = [
+    {"mappings", "_model"},  # the maths: mappings, their losses, row and compiled kernels, the registry
+    {"attention", "losses", "metrics"},  # what each swap point computes
+    {"settings"},  # the choices a user made, validated against the registry and the attention options
+    {"decoding"},  # sampling what the loss trained (reads the settings and the losses)
+    {"swaps"},  # plan / apply / remove per swap point
+    {"integrations"},  # Trainer, TRL, peft, reload, vLLM
+    {"patch"},  # patch_model: the library's swaps, then the engines'
+    {"app"},  # recipes and the command line
+]
+LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+
+def part_of(module):
+    """``hf_sparsemax.attention.blocks`` -> ``attention``; ``hf_sparsemax.patch`` -> ``patch``."""
+    return module.split(".")[1]
+
+
+def test_every_part_of_the_package_has_a_layer_and_the_root_holds_few_modules():
+    entries = {name.removesuffix(".py") for name in os.listdir(PACKAGE) if name != "__init__.py" and (
+        name.endswith(".py") or os.path.exists(os.path.join(PACKAGE, name, "__init__.py")))}
+    assert entries == set(LAYER_OF)
+    assert sorted(name for name in os.listdir(PACKAGE) if name.endswith(".py")) == [
+        "__init__.py", "_model.py", "patch.py", "settings.py"]
+
+
+def test_no_module_imports_a_part_above_its_own():
+    """mappings <- attention / losses / metrics <- settings <- decoding <- swaps <- integrations <- patch <- app."""
+    upward = {}
+    for path in (os.path.join(folder, f) for folder, dirs, files in os.walk(PACKAGE) for f in files if f.endswith(".py")):
+        name = module_name(path)
+        if name == "hf_sparsemax":
+            continue  # the public names: imports every part
+        part = part_of(name)
+        bad = sorted(m for m in imported_modules(path) if m != "hf_sparsemax" and part_of(m) != part
+                     and LAYER_OF[part_of(m)] >= LAYER_OF[part])
+        if bad:
+            upward[name] = bad
+    assert upward == {}
+
+
+def test_the_layer_check_sees_an_import_running_up(tmp_path):
+    """The check above can fail: a lazy import of the swaps inside a mapping is found."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from ..swaps import LOSS\n    return LOSS\n")
+    imported = imported_modules(str(path), package="hf_sparsemax.mappings")
+    assert "hf_sparsemax.swaps" in imported
+    assert LAYER_OF[part_of("hf_sparsemax.swaps")] > LAYER_OF[part_of("hf_sparsemax.mappings.probe")]
+
+
+def test_each_folder_says_what_lives_there_and_what_it_may_import():
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if "__init__.py" in files and folder != PACKAGE:
+            doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
+            assert doc and len(doc.splitlines()) >= 2, folder

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_sparsemax as hs
-from hf_sparsemax import metrics
-from hf_sparsemax.loss_names import loss_mapping
+from hf_sparsemax.metrics import sparse_text as metrics
+from hf_sparsemax.losses.names import loss_mapping
 
 
 def direct(p, t, eps):

@@ -10,7 +10,7 @@ import torch
 import yaml
 from test_recipes import char_tokenizer, run, tiny_bert  # noqa: F401  (tiny_bert is a fixture)
 
-from hf_sparsemax import metrics
+from hf_sparsemax.metrics import sparse_text as metrics
 from hf_sparsemax.app import runner
 from hf_sparsemax.app.recipe_data import causal_lm_datasets, classification_datasets, held_out
 from hf_sparsemax.app.recipes import DataSpec, RecipeError

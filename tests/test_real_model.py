@@ -5,9 +5,9 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import hf_sparsemax as hs
-from hf_sparsemax import metrics
+from hf_sparsemax.metrics import sparse_text as metrics
 from hf_sparsemax.app import assets
-from hf_sparsemax.loss_names import loss_mapping
+from hf_sparsemax.losses.names import loss_mapping
 
 pytestmark = pytest.mark.slow
 BLOCK = 48

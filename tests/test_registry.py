@@ -11,11 +11,11 @@ import transformers
 from torch import nn
 
 import hf_sparsemax as hs
-from hf_sparsemax import metrics
-from hf_sparsemax.attention import ATTENTION_MAPPINGS, ATTENTION_OPTIONS, OPTIONS_ATTR, AttentionOptions
-from hf_sparsemax.attention import sparse_attention_forward
-from hf_sparsemax.generation import processor_for
-from hf_sparsemax.loss_names import LOSS_OPTIONS, loss_mapping, make_loss
+from hf_sparsemax.metrics import sparse_text as metrics
+from hf_sparsemax.attention.interface import ATTENTION_MAPPINGS, ATTENTION_OPTIONS, OPTIONS_ATTR, AttentionOptions
+from hf_sparsemax.attention.interface import sparse_attention_forward
+from hf_sparsemax.decoding.generation import processor_for
+from hf_sparsemax.losses.names import LOSS_OPTIONS, loss_mapping, make_loss
 from hf_sparsemax.mappings import registry
 from hf_sparsemax.settings import SparseSettings
 

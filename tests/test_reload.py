@@ -12,8 +12,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T
                           pipeline)
 
 import hf_sparsemax as hs
-from hf_sparsemax import reload
-from hf_sparsemax.attention import ALPHA_ATTR, OPTIONS_ATTR
+from hf_sparsemax.integrations import reload
+from hf_sparsemax.attention.interface import ALPHA_ATTR, OPTIONS_ATTR
 from test_patch import Rows
 from test_recipes import CHARS, char_tokenizer, run, write_recipe
 
@@ -224,7 +224,7 @@ def test_remove_load_hook_gives_the_plain_load_back(tmp_path):
     try:
         plain = AutoModelForCausalLM.from_pretrained(tmp_path)
     finally:
-        reload.install_load_hook()
+        reload.install_load_hook(hs.patch_model)
     assert "_loss_function" not in vars(plain) and "generate" not in vars(plain)
     assert not any(ALPHA_ATTR in name for name, _ in plain.named_parameters())
     assert_same(behaviour(hs.patch_model(plain)), behaviour(model))  # the way to load such a folder quantized

@@ -13,7 +13,7 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import hf_sparsemax as hs
-from hf_sparsemax.loss_names import make_loss
+from hf_sparsemax.losses.names import make_loss
 from hf_sparsemax.mappings import _core, registry
 
 

@@ -1,6 +1,6 @@
 """The serving step without an engine: per-request choices and the batched logits step on fake batches.
 
-The vLLM plugin (hf_sparsemax.serving.vllm_plugin) adapts exactly this code; the tests that run it inside
+The vLLM plugin (hf_sparsemax.integrations.vllm.plugin) adapts exactly this code; the tests that run it inside
 vLLM live in tests_vllm/ (their own virtualenv, .ci/vllm).
 """
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 import hf_sparsemax as hs
-from hf_sparsemax.loss_names import loss_mapping
+from hf_sparsemax.losses.names import loss_mapping
 from hf_sparsemax.mappings import registry
-from hf_sparsemax.serving.decoding import BatchDecoding, Choice, decoding_losses, folder_choice, request_choice
+from hf_sparsemax.decoding.engine import BatchDecoding, Choice, decoding_losses, folder_choice, request_choice
 
 VOCAB = 50
 
@@ -145,7 +145,7 @@ def test_the_mappings_that_say_so_keep_the_argmax(seed, scale):
 
 def test_requests_the_engine_samples_itself_are_left_to_it():
     """A top-k / top-p folder's generation_config.json gives the engine the trained top_k / top_p: no double cut."""
-    from hf_sparsemax.serving.decoding import engine_samples
+    from hf_sparsemax.decoding.engine import engine_samples
 
     both = Choice.make("sparse_softmax", {"top_k": 5, "top_p": 0.9})
     assert engine_samples(both, 5, 0.9) and not engine_samples(both, 0, 1.0) and not engine_samples(both, 5, 0.8)

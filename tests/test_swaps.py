@@ -13,10 +13,13 @@ from transformers import (
 )
 
 import hf_sparsemax as hs
-from hf_sparsemax import swaps, trainer_guard, trl_support
-from hf_sparsemax.attention import ALPHA_ATTR
+from hf_sparsemax import swaps
+from hf_sparsemax.integrations import trainer as trainer_guard
+from hf_sparsemax.integrations import trl as trl_support
+from hf_sparsemax.attention.interface import ALPHA_ATTR
 from hf_sparsemax.settings import SparseSettings
-from hf_sparsemax.swaps import SWAPS, PatchRequest, Swap
+from hf_sparsemax.patch import SWAPS
+from hf_sparsemax.swaps import PatchRequest, Swap
 
 VOCAB = 64
 
@@ -112,19 +115,23 @@ CASES = {
     "cosine_head": (llama_classifier, dict(loss="am_softmax"),
                     lambda m: bool((m(**inputs(m)).logits.abs() <= 1 + 1e-6).all())),
     "loss": (llama, dict(loss="entmax15"),
-             lambda m: m.loss_function.__name__ == "causal_lm_loss" and trainer_guard.HOOK_ATTR in vars(m)),
+             lambda m: m.loss_function.__name__ == "causal_lm_loss"),
     "matched_generate": (llama, dict(loss="sparse_softmax", loss_options={"top_k": 5}),
                          lambda m: "generate" in vars(m)),
+    "trainer_guard": (llama, dict(attn="sparsemax", loss="entmax15"),
+                      lambda m: trainer_guard.HOOK_ATTR in vars(m) and trainer_guard.ROLLOUT_HOOK_ATTR in vars(m)),
     "token_outputs": (llama, dict(loss="sparsemax"), lambda m: trl_support.HOOK_ATTR in vars(m)),
     "model_card": (llama, dict(loss="sparsemax"), lambda m: "save_pretrained" in vars(m)),
 }
 BY_NAME = {swap.name: swap for swap in SWAPS}
+PEFT_ONLY = {"adapter_alpha"}  # acts on a peft model's adapter config: test_a_peft_model_with_learned_alphas_round_trips
 
 
 def test_every_swap_point_has_one_protocol():
     assert [swap.name for swap in SWAPS] == ["attention", "fused_forward", "cosine_head", "loss", "matched_generate",
-                                            "token_outputs", "model_card"]
-    assert set(CASES) == set(BY_NAME)
+                                            "trainer_guard", "adapter_alpha", "token_outputs", "model_card"]
+    assert [swap.name for swap in SWAPS[:5]] == [swap.name for swap in swaps.SWAPS]  # the library's, then the engines'
+    assert set(CASES) == set(BY_NAME) - PEFT_ONLY
     for swap in SWAPS:
         assert isinstance(swap, Swap)
         assert list(inspect.signature(swap.plan).parameters) == ["model", "request"]
@@ -237,7 +244,7 @@ def test_patch_applies_in_order_and_unpatch_removes_in_reverse(monkeypatch):
                                                                                 f(m)))
     hs.patch_model(model, attn="sparsemax", loss="sparsemax")
     names = [swap.name for swap in SWAPS]
-    applied = [name for name in names if name not in ("fused_forward", "cosine_head")]
+    applied = [name for name in names if name not in ("fused_forward", "cosine_head", "adapter_alpha")]
     assert calls == [("remove", name) for name in reversed(names)] + [("apply", name) for name in applied]
     calls.clear()
     hs.unpatch_model(model)

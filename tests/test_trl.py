@@ -231,7 +231,7 @@ def test_trl_generation_samples_the_trained_distribution(tmp_path):
                          + [("taylor_softmax", {}, False)])
 def test_token_outputs_carry_the_fields_preference_trainers_read(name, options, fused):
     """mean_logits (DPO's logits/* metrics) and log_sum_sq_probs (its WPO weight), under the trained distribution."""
-    from hf_sparsemax.loss_names import loss_mapping
+    from hf_sparsemax.losses.names import loss_mapping
 
     model = hs.patch_model(tiny_lm(), loss=name, loss_options={**options, "fused": fused})
     ids = torch.randint(3, 30, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -335,7 +335,7 @@ def test_which_trl_trainers_are_refused(trainer_name, loss, rule):
 
     import trl
 
-    from hf_sparsemax.trainer_guard import refusal
+    from hf_sparsemax.integrations.trainer import refusal
 
     trainer = object.__new__(getattr(trl, trainer_name))
     trainer.args = types.SimpleNamespace(loss_type="sigmoid")
@@ -378,7 +378,7 @@ def test_trl_trainers_that_compute_their_own_objective_from_the_logits_are_refus
 
     from trl.experimental.orpo import ORPOTrainer
 
-    from hf_sparsemax.trainer_guard import refusal
+    from hf_sparsemax.integrations.trainer import refusal
 
     orpo = object.__new__(ORPOTrainer)
     orpo.args = types.SimpleNamespace(loss_type="sigmoid")
@@ -404,8 +404,8 @@ def rollout_trainer(trainer_name="GRPOTrainer", folder=None, **args):
 
 def test_vllm_rollouts_must_sample_the_trained_distribution(tmp_path):
     """use_vllm=True: vLLM loads model.name_or_path; from a base folder it samples softmax unless told the loss."""
-    from hf_sparsemax.serving import vllm_generation_kwargs
-    from hf_sparsemax.serving.rollouts import rollout_refusal
+    from hf_sparsemax.integrations.vllm import vllm_generation_kwargs
+    from hf_sparsemax.integrations.vllm.rollouts import rollout_refusal
 
     base = tmp_path / "base"
     tiny_lm().save_pretrained(base)
@@ -441,8 +441,8 @@ def test_vllm_rollouts_must_sample_the_trained_distribution(tmp_path):
 
 def test_vllm_rollouts_are_refused_under_sparse_attention(tmp_path):
     """vLLM's attention kernels compute softmax: rollouts of a sparse-attention model would be another model's."""
-    from hf_sparsemax.serving import vllm_generation_kwargs
-    from hf_sparsemax.serving.rollouts import rollout_refusal
+    from hf_sparsemax.integrations.vllm import vllm_generation_kwargs
+    from hf_sparsemax.integrations.vllm.rollouts import rollout_refusal
 
     model = hs.patch_model(tiny_lm(), attn="entmax15", loss="sparse_softmax", loss_options={"top_k": 5})
     reason = rollout_refusal(rollout_trainer(generation_kwargs={"extra_args": {"hf_sparsemax": "sparse_softmax",

@@ -28,7 +28,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_sparsemax as hs
-from hf_sparsemax.serving import vllm_generation_kwargs
+from hf_sparsemax.integrations.vllm import vllm_generation_kwargs
 
 TOP_K = 3
 PROMPTS = ["The capital of France is", "Once upon a time, a little", "def fibonacci(n):", "My favourite food is"]

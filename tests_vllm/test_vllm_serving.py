@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.serving.decoding import Choice
+from hf_sparsemax.decoding.engine import Choice
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm import LLM, SamplingParams  # noqa: E402
@@ -243,7 +243,7 @@ def test_model_runner_v2_loads_the_plugins_and_maps_rows_through_its_slots(folde
     from transformers import AutoConfig
     from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
 
-    from hf_sparsemax.serving.vllm_plugin import SparseDecoding, TaylorDecoding
+    from hf_sparsemax.integrations.vllm.plugin import SparseDecoding, TaylorDecoding
 
     assert {SparseDecoding, TaylorDecoding} <= set(_load_v2_logitsprocs_plugins())
     config = SimpleNamespace(model_config=SimpleNamespace(hf_config=AutoConfig.from_pretrained(folders / "sparsemax")))

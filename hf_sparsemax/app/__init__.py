@@ -1,7 +1,7 @@
 """The recipe app: YAML recipes, data, training runs, reports and the ``hf-sparsemax`` command.
 
-It sits above the library (``hf_sparsemax``): it imports the library's public
-functions, and no library module imports it (a test checks this). The shipped
-recipes (``recipes/*.yaml`` beside this file) are package data, so
-``hf-sparsemax compare default`` works after a plain ``pip install``.
+The top layer: it may import any part of the library, and no library module imports it (a test checks
+this). The shipped recipes (``recipes/*.yaml`` at the checkout's top level, the data package
+``hf_sparsemax.app.recipes`` once installed) are package data, so ``hf-sparsemax compare default`` works
+after a plain ``pip install``.
 """

@@ -63,7 +63,7 @@ def load_model(spec: str | None):
 
 
 def decoding_report_command(args) -> int:
-    from ..generation import decoding_report
+    from ..decoding.generation import decoding_report
     from ..patch import patch_model
 
     from ..settings import SparseSettings

@@ -211,7 +211,7 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
 
 def score_decoders(model, recipe: Recipe, variant: Variant, eval_set) -> list[dict[str, Any]]:
     """The held-out metrics of every decoder a user could sample ``variant`` with (:mod:`.decoders`)."""
-    from ..decoders import score_decoders as score
+    from ..decoding.decoders import score_decoders as score
     from .._model import base_model
 
     return score(model, eval_set, variant.loss, variant.loss_options, base_model(model).config.vocab_size,

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .. import metrics
-from ..loss_names import loss_mapping
+from ..metrics import sparse_text as metrics
+from ..losses.names import loss_mapping
 from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .assets import gguf_cache
 from .recipes import Recipe, RecipeError, Variant, one_line
@@ -285,7 +285,7 @@ def evaluate(trainer) -> dict[str, Any]:
 
 def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
     """Matched sampling (the distribution the loss trained, no default top-k) and its consistency report."""
-    from ..generation import decoding_report
+    from ..decoding.generation import decoding_report
 
     model.eval()
     report = decoding_report(model, tokenizer, recipe.eval.prompts, max_new_tokens=recipe.eval.max_new_tokens,

@@ -3,7 +3,7 @@
 The variant's folder is served as saved (full fine-tuning), or merged first into ``<variant>/serve``
 (LoRA: adapter merged into its base, saved with the hf_sparsemax settings). vLLM needs hf_sparsemax
 installed in its environment to load such a folder and sample its trained distribution
-(:mod:`hf_sparsemax.serving.vllm_plugin`); a variant with sparse attention is refused first, with the
+(:mod:`hf_sparsemax.integrations.vllm.plugin`); a variant with sparse attention is refused first, with the
 reason. The server listens on the loopback interface only.
 """
 
@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 
-from ..serving.decoding import folder_choice
+from ..decoding.engine import folder_choice
 from .recipes import Recipe, RecipeError
 
 HOST = "127.0.0.1"

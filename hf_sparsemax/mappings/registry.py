@@ -16,7 +16,7 @@ another rule) and the swap points it supports:
 
 An entry whose slices do not lie on the probability simplex (``simplex=False``:
 ``budget_bisect``, which sums to its budget) is a mapping only: no loss, no decoding,
-no metrics. Every entry also gets ``nn.Module`` forms (:mod:`hf_sparsemax.modules`),
+no metrics. Every entry also gets ``nn.Module`` forms (:mod:`hf_sparsemax.mappings.modules`),
 named ``class_name`` and ``class_name + "Loss"``.
 
 ``keeps_argmax`` says whether ``argmax(p) == argmax(x)`` always holds (Taylor
@@ -37,7 +37,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .. import likelihood, losses, margin
+from . import likelihood
+from . import loss_functions as losses
+from . import margin
 from .entmax import check_alpha, entmax15, entmax15_rows, entmax15_support, entmax_bisect, entmax_bisect_rows
 from .entmax import entmax15_threshold, entmax_bisect_support, entmax_bisect_threshold
 from .budget import budget_bisect, budget_rows, check_budget

@@ -18,10 +18,8 @@ import torch
 from torch import nn
 
 from .._model import base_model
-from ..attention import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
-from ..attention import check_supported, num_heads
-from ..load_marks import keep_alpha_with_adapter, release_alpha_from_adapter
-from ..trainer_guard import install_rollout_guard, remove_rollout_guard
+from ..attention.interface import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
+from ..attention.interface import check_supported, num_heads
 from .protocol import PatchRequest
 
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
@@ -112,20 +110,14 @@ class AttentionSwap:
                 device = next(module.parameters(), torch.empty(0)).device
                 module.add_module(ALPHA_ATTR, kept if kept is not None else LearnedAlpha(count, plan.options.alpha).to(device))
         set_attention(inner, plan.options.mapping)
-        install_rollout_guard(inner)  # TRL's vLLM rollouts would come from softmax attention: refused
         if plan.load_saved:
             load_learned_alpha(inner)
-        if model is not inner and plan.options.learn_alpha:
-            keep_alpha_with_adapter(model)  # peft saves them with the adapter and restores them on load
 
     def remove(self, model) -> None:
         inner = base_model(model)
-        remove_rollout_guard(inner)
         for module in inner.modules():
             vars(module).pop(OPTIONS_ATTR, None)
             module._modules.pop(ALPHA_ATTR, None)
         original = vars(inner).pop(ORIGINAL_ATTR, None)
         if inner.config._attn_implementation in ATTENTION_MAPPINGS:
             set_attention(inner, original or ("sdpa" if getattr(inner, "_supports_sdpa", False) else "eager"))
-        if model is not inner:
-            release_alpha_from_adapter(model)

@@ -5,7 +5,7 @@ shifts the labels as transformers does and returns
 ``CausalLMOutputWithPast(loss=fused_head_loss(...), logits=None)``: the
 ``[tokens, vocab]`` logits are never formed. The family's head transform
 (logit scale, soft-capping) comes from
-:data:`~hf_sparsemax.fused_heads.HEAD_TRANSFORMS`, its values read at each
+:data:`~hf_sparsemax.losses.fused_heads.HEAD_TRANSFORMS`, its values read at each
 call. In eval mode, without labels (``generate``), or when the head is not a
 plain ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) the class's forward
 runs unchanged, with its (unfused, equal) patched loss.
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from .._model import base_model, model_task, remove_instance_method, set_instance_method
-from ..fused import fused_head_loss
-from ..fused_heads import head_transform, head_values, router_refusal
+from ..losses.fused import fused_head_loss
+from ..losses.fused_heads import head_transform, head_values, router_refusal
 from .protocol import PatchRequest
 
 TAG = "hf_sparsemax_fused"

@@ -1,7 +1,7 @@
 """The matched-generate swap: a causal LM with a sparse loss samples from the distribution the loss trains.
 
 ``model.generate`` becomes an instance attribute adding the matching logits
-processor (see :mod:`hf_sparsemax.generation`) and switching off
+processor (see :mod:`hf_sparsemax.decoding.generation`) and switching off
 transformers' default ``top_k=50`` truncation.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .._model import base_model
-from ..generation import install_matched_generate, remove_matched_generate
+from ..decoding.generation import install_matched_generate, remove_matched_generate
 from .loss_swap import loss_task
 from .protocol import PatchRequest
 

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from .._model import base_model, model_task, routes_loss_function
-from ..loss_names import make_loss
+from ..losses.names import make_loss
 from ..mappings import registry
 from ..settings import SparseSettings
-from ..trainer_guard import install_trainer_guard, remove_trainer_guard
 from .protocol import PatchRequest
 
 TASKS = ("causal_lm", "sequence_classification", "token_classification")
@@ -119,8 +118,8 @@ class LossPlan(NamedTuple):
 class LossSwap:
     """``model.loss_function`` (an instance attribute) computes the sparse loss.
 
-    A forward pre-hook refuses trainer settings that would train another loss
-    (label smoothing, TRL's DFT on a Fenchel-Young loss: :mod:`hf_sparsemax.trainer_guard`).
+    Trainer settings that would train another loss (label smoothing, TRL's DFT on a
+    Fenchel-Young loss) are refused by :mod:`hf_sparsemax.integrations.trainer`'s guard.
     """
 
     name = "loss"
@@ -137,12 +136,10 @@ class LossSwap:
     def apply(self, model, plan: LossPlan) -> None:
         inner = base_model(model)
         inner.loss_function = plan.loss_function
-        install_trainer_guard(inner, plan.loss, plan.loss_rule)
 
     def remove(self, model) -> None:
         inner = base_model(model)
         vars(inner).pop("_loss_function", None)
-        remove_trainer_guard(inner)
 
 
 def compute_loss_func(loss: str, task: str = "causal_lm", ignore_index: int = -100, **loss_options):

@@ -14,7 +14,7 @@ its loss, its forward, its head, its ``generate``). Each is an object with
 ``model`` is what the user passed (a transformers model or a peft model
 around one). ``patch_model`` plans every swap before it applies any, so a
 refused patch leaves the model as it was; it removes them in reverse order and
-applies them in order (``hf_sparsemax.swaps.SWAPS``), and ``unpatch_model``
+applies them in order (``hf_sparsemax.patch.SWAPS``), and ``unpatch_model``
 removes them in reverse order.
 """
 

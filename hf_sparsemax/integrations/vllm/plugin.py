@@ -7,7 +7,7 @@ Installed beside vLLM, hf_sparsemax registers two vLLM plugins (entry points in 
   quantization method that quantizes nothing (:class:`SparseFolderConfig`), so vLLM loads the folder.
   A folder with sparse attention is refused there, with one line saying why.
 - ``vllm.logits_processors`` -> :class:`SparseDecoding` and :class:`TaylorDecoding`: every request
-  samples from the folder's trained distribution (:mod:`hf_sparsemax.serving.decoding`), with no flag;
+  samples from the folder's trained distribution (:mod:`hf_sparsemax.decoding.engine`), with no flag;
   a request changes or drops it with ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP). Folders
   without hf_sparsemax settings are not touched, nor are requests whose own ``top_k`` / ``top_p`` already
   are the trained sparse softmax (a top-k / top-p folder's ``generation_config.json`` sets them).
@@ -40,7 +40,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from ..load_marks import METHOD
-from .decoding import BatchDecoding, Choice, engine_samples, folder_choice, request_choice
+from ...decoding.engine import BatchDecoding, Choice, engine_samples, folder_choice, request_choice
 
 
 # The served folder's trained loss, as the process that admits requests read it (None: no hf_sparsemax loss).
@@ -103,7 +103,7 @@ def register() -> None:
 
 
 class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
-    """Both vLLM interfaces over one :class:`~hf_sparsemax.serving.decoding.BatchDecoding`."""
+    """Both vLLM interfaces over one :class:`~hf_sparsemax.decoding.engine.BatchDecoding`."""
 
     keeps_argmax = True  # which choices this class maps: those that keep the argmax, or the others
 

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import metrics
-from .loss_names import loss_mapping
-from .mappings import sparse_softmax
+from ..metrics import sparse_text as metrics
+from ..losses.names import loss_mapping
+from ..mappings import sparse_softmax
 
 TRANSFORMERS_TOP_K = 50  # GenerationConfig's default top_k
 

@@ -7,7 +7,7 @@ For each registry entry ``name`` (its ``class_name``, e.g. ``EntmaxBisect``):
   ``SparseSoftmax(top_k=None, top_p=None, dim=-1)``) and its ``forward(x)`` is the function;
 - the loss module (entries with a loss) takes the loss function's keywords
   (``NormmaxBisectLoss(alpha=2.0, ignore_index=-100, reduction="mean")``) and its
-  ``forward(logits, target)`` is the loss. The four loss modules of :mod:`hf_sparsemax.losses`
+  ``forward(logits, target)`` is the loss. The four loss modules of :mod:`hf_sparsemax.mappings.loss_functions`
   (``SparsemaxLoss``, ``Entmax15Loss``, ``EntmaxBisectLoss``, ``SparseSoftmaxLoss``) are those classes.
 
 Options are validated at construction (the registry's options dataclass: a ``ValueError``); a tensor option
@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import losses
-from .losses import REDUCTIONS, sparsemax_bisect_loss
-from .mappings import registry
-from .mappings.entmax import sparsemax_bisect
+from . import loss_functions as losses
+from .loss_functions import REDUCTIONS, sparsemax_bisect_loss
+from . import registry
+from .entmax import sparsemax_bisect
 
 
 def option_names(entry: registry.Mapping | None) -> tuple[str, ...]:

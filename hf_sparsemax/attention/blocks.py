@@ -47,8 +47,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .mappings import compiled
-from .mappings._core import masked_below
+from ..mappings import compiled
+from ..mappings._core import masked_below
 
 ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
 MIN_BLOCK_QUERIES = 64  # ... unless that leaves fewer queries a block: every block reads all its keys and values

@@ -33,13 +33,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mappings._core import masked_below, support_backward, to_rows
-from .mappings.entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
-from .mappings.entmax import sqrt_on_support
-from .mappings.normmax import normmax_rows, normmax_vjp
-from .mappings.normmax import precise_in_float32 as normmax_in_float32
-from .mappings.sparse_softmax import check_top, sparse_softmax_rows
-from .mappings.sparsemax import check_k, sparsemax_rows, support_indicator
+from ._core import masked_below, support_backward, to_rows
+from .entmax import check_alpha, entmax15_rows, entmax_bisect_rows, entmax_vjp, precise_in_float32
+from .entmax import sqrt_on_support
+from .normmax import normmax_rows, normmax_vjp
+from .normmax import precise_in_float32 as normmax_in_float32
+from .sparse_softmax import check_top, sparse_softmax_rows
+from .sparsemax import check_k, sparsemax_rows, support_indicator
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ._model import base_model, remove_instance_method, set_instance_method
-from .loss_names import loss_mapping
-from .mappings import registry
-from .settings import SparseSettings
+from .._model import base_model, remove_instance_method, set_instance_method
+from ..losses.names import loss_mapping
+from ..mappings import registry
+from ..settings import SparseSettings
 
 
 class MappingLogitsProcessor(LogitsProcessor):

@@ -16,7 +16,7 @@ for them come out 0, and GRPO trains nothing, without a word (measured: loss 0, 
 
 - :func:`vllm_generation_kwargs` gives the ``GRPOConfig(generation_kwargs=...)`` that names the model's
   trained loss in every rollout request (``extra_args``; :mod:`.decoding` reads them).
-- :func:`rollout_refusal` is what :mod:`hf_sparsemax.trainer_guard` checks on a trainer with
+- :func:`rollout_refusal` is what :mod:`hf_sparsemax.integrations.trainer` checks on a trainer with
   ``args.use_vllm``: ``None`` when vLLM will sample the trained distribution, else the sentence of the
   ``ValueError``. The check runs at the first scoring forward of the first step, after the first
   rollouts and before any optimizer step.
@@ -31,9 +31,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..mappings import registry
-from ..settings import CONFIG_KEY, SparseSettings
-from .decoding import KEY, OFF, OPTION_PREFIX, Choice, engine_samples, request_choice
+from ...mappings import registry
+from ...settings import CONFIG_KEY, SparseSettings
+from ...decoding.engine import KEY, OFF, OPTION_PREFIX, Choice, engine_samples, request_choice
 
 
 def trained_choice(settings: SparseSettings | None) -> Choice | None:
@@ -120,7 +120,7 @@ def rollout_refusal(trainer, model) -> str | None:
     extra = dict(kwargs.get("extra_args") or {})
     top_k, top_p = kwargs.get("top_k", getattr(args, "top_k", None)), kwargs.get("top_p", getattr(args, "top_p", None))
     mode = getattr(args, "vllm_mode", "colocate")
-    fix = ("pass GRPOConfig(generation_kwargs=hf_sparsemax.serving.vllm_generation_kwargs(model)) (the same for "
+    fix = ("pass GRPOConfig(generation_kwargs=hf_sparsemax.vllm_generation_kwargs(model)) (the same for "
            "RLOOConfig), or use_vllm=False")
     if mode == "server":
         if KEY not in extra:

@@ -27,7 +27,7 @@ around it without a word:
 One more setting routes around the distribution the loss trains, rather than the loss: TRL's online trainers with
 ``use_vllm=True`` draw their rollouts from vLLM, which samples plain softmax unless hf_sparsemax's logits
 processor knows the trained loss (from the folder vLLM loads, or from ``generation_kwargs``); such a trainer
-is refused until it does (:mod:`hf_sparsemax.serving.rollouts`, whose ``vllm_generation_kwargs(model)`` is
+is refused until it does (:mod:`hf_sparsemax.integrations.vllm.rollouts`, whose ``vllm_generation_kwargs(model)`` is
 the fix), as is one under sparse attention, which vLLM's kernels do not compute.
 
 The check runs in a forward pre-hook of the patched model, only on the calls
@@ -43,9 +43,15 @@ from __future__ import annotations
 import functools
 import sys
 
+from typing import NamedTuple
+
 import torch
 
-from .serving.rollouts import rollout_refusal
+from .._model import base_model
+from ..mappings import registry
+from ..swaps import PatchRequest
+from ..swaps.loss_swap import loss_task
+from .vllm.rollouts import rollout_refusal
 
 HOOK_ATTR = "_hf_sparsemax_trainer_guard"
 ROLLOUT_HOOK_ATTR = "_hf_sparsemax_rollout_guard"
@@ -163,3 +169,39 @@ def remove_hook(model, attr: str) -> None:
 def pre_hook(module, args, kwargs, loss: str | None, loss_rule: str | None):
     check_trainer(module, kwargs, loss, loss_rule)
     return None
+
+
+class TrainerGuardPlan(NamedTuple):
+    """``loss`` / ``loss_rule``: the patched loss the trainers must train (None: no sparse loss swapped);
+    ``rollouts``: the attention is sparse, which vLLM's rollouts would not compute."""
+
+    loss: str | None
+    loss_rule: str | None
+    rollouts: bool
+
+
+class TrainerGuardSwap:
+    """The guards of this module on a patched model: its loss (when the loss swap applies), its rollouts (sparse
+    attention)."""
+
+    name = "trainer_guard"
+
+    def plan(self, model, request: PatchRequest) -> TrainerGuardPlan | None:
+        settings = request.settings
+        loss = settings.loss if loss_task(base_model(model), settings) is not None else None
+        rollouts = settings.attention_options is not None
+        if loss is None and not rollouts:
+            return None
+        return TrainerGuardPlan(loss, registry.get(loss).loss_rule if loss else None, rollouts)
+
+    def apply(self, model, plan: TrainerGuardPlan) -> None:
+        inner = base_model(model)
+        if plan.loss is not None:
+            install_trainer_guard(inner, plan.loss, plan.loss_rule)
+        if plan.rollouts:
+            install_rollout_guard(inner)
+
+    def remove(self, model) -> None:
+        inner = base_model(model)
+        remove_trainer_guard(inner)
+        remove_rollout_guard(inner)

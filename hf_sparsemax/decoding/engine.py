@@ -1,6 +1,6 @@
 """What a serving engine samples for each request, and the batched logits step that makes it so.
 
-Engine-neutral and torch-only (no vLLM import): :mod:`hf_sparsemax.serving.vllm_plugin` adapts it to
+Engine-neutral and torch-only (no vLLM import): :mod:`hf_sparsemax.integrations.vllm.plugin` adapts it to
 vLLM's logits-processor interfaces, and the main test suite drives it with fake batches.
 
 A request's :class:`Choice` is the folder's trained loss (``config.json``'s ``hf_sparsemax``
@@ -14,10 +14,10 @@ settings) unless the request's extra arguments say otherwise:
 
 Flat keys with scalar values, so that they also pass through an OpenAI-compatible server's
 ``vllm_xargs``. The distribution is the registry's mapping of the loss
-(:func:`hf_sparsemax.loss_names.loss_mapping`); the step writes ``log p`` (``-inf`` outside the
+(:func:`hf_sparsemax.losses.names.loss_mapping`); the step writes ``log p`` (``-inf`` outside the
 support) into the logits, so that the engine's ``softmax`` + draw samples ``p`` exactly.
 
-Temperature. ``p = mapping(x / T)`` as in :mod:`hf_sparsemax.generation`. Where the engine divides the
+Temperature. ``p = mapping(x / T)`` as in :mod:`hf_sparsemax.decoding.generation`. Where the engine divides the
 logits by ``T`` before the step (vLLM V1 runs argmax-invariant processors after its temperature),
 :meth:`BatchDecoding.apply` is called with ``scaled=True`` and maps the rows as they come. Where the
 engine divides after the step (vLLM V1's other processors, vLLM's Model Runner V2), it writes
@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable, Mapping
 import numpy as np
 import torch
 
-from ..loss_names import loss_mapping
+from ..losses.names import loss_mapping
 from ..mappings import registry
 from ..mappings._core import masked_below
 from ..settings import SparseSettings

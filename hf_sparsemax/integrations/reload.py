@@ -21,7 +21,7 @@ every Trainer checkpoint carry it):
   transformers, Trainer and peft write into the model cards they create.
 
 vLLM: with hf_sparsemax installed in its environment, the ``quantization_config`` entry is a vLLM
-quantization method that quantizes nothing (:mod:`hf_sparsemax.serving.vllm_plugin`), and vLLM samples
+quantization method that quantizes nothing (:mod:`hf_sparsemax.integrations.vllm.plugin`), and vLLM samples
 the trained loss; without it vLLM refuses the folder (``Unknown quantization method: hf_sparsemax``)
 rather than serve it as a softmax model. ``--hf-overrides '{"quantization_config": null}'`` serves it
 anyway, with the generation config's sampling.
@@ -63,9 +63,11 @@ import warnings
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-from .attention import ALPHA_ATTR
+from ..attention.interface import ALPHA_ATTR
 from .load_marks import METHOD, SparseLoadConfig
-from .settings import SparseSettings
+from ..settings import SparseSettings
+
+PATCH_MODEL = None  # hf_sparsemax.patch_model, handed to install_load_hook
 
 class SparseLoader(HfQuantizer):
     """Restores a saved hf_sparsemax model while ``from_pretrained`` loads it (quantizes nothing)."""
@@ -81,14 +83,12 @@ class SparseLoader(HfQuantizer):
         settings = SparseSettings.from_config(model.config)
         options = settings.attention_options if settings is not None else None
         if options is not None and options.learn_alpha:
-            from .swaps import ATTENTION, PatchRequest
+            from ..swaps import ATTENTION, PatchRequest
 
             add_learned_alpha(ATTENTION.plan(model, PatchRequest(settings)))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from .patch import patch_model
-
         missing = [name for name, param in model.named_parameters()
                    if name.endswith(f"{ALPHA_ATTR}.pre_alpha") and not getattr(param, "_is_hf_initialized", False)]
         if missing:
@@ -106,8 +106,8 @@ class SparseLoader(HfQuantizer):
                 stacklevel=2,
             )
         if settings.loss not in (None, "cross_entropy") and not has_loss_head(model, settings):
-            return patch_model(model, loss="cross_entropy")  # a body loaded without the head its loss trained
-        return patch_model(model)  # no attn / loss: re-applies config.hf_sparsemax, keeping the loaded alphas
+            return PATCH_MODEL(model, loss="cross_entropy")  # a body loaded without the head its loss trained
+        return PATCH_MODEL(model)  # no attn / loss: re-applies config.hf_sparsemax, keeping the loaded alphas
 
     def is_serializable(self) -> bool:
         return True
@@ -120,7 +120,7 @@ class SparseLoader(HfQuantizer):
 def has_loss_head(model, settings: SparseSettings) -> bool:
     """Whether the model has a head whose loss ``patch_model`` can swap to ``settings.loss``
     (``AutoModel`` gives a body without one)."""
-    from .swaps import COSINE_HEAD, LOSS, PatchRequest
+    from ..swaps import COSINE_HEAD, LOSS, PatchRequest
 
     try:
         for swap in (COSINE_HEAD, LOSS):
@@ -133,15 +133,18 @@ def has_loss_head(model, settings: SparseSettings) -> bool:
 def add_learned_alpha(plan) -> None:
     """Give each attention module of an attention plan its ``LearnedAlpha`` (empty, on the loading device)
     before the weights load."""
-    from .attention import LearnedAlpha
+    from ..attention.interface import LearnedAlpha
 
     for module, count in zip(plan.modules, plan.heads):
         if ALPHA_ATTR not in module._modules:
             module.add_module(ALPHA_ATTR, LearnedAlpha(count, plan.options.alpha))
 
 
-def install_load_hook() -> None:
-    """Register the load hook with transformers (done on ``import hf_sparsemax``)."""
+def install_load_hook(patch_model) -> None:
+    """Register the load hook with transformers (done on ``import hf_sparsemax``); ``patch_model`` is what the hook
+    calls on a loaded model (handed in, so that this module imports nothing above it)."""
+    global PATCH_MODEL
+    PATCH_MODEL = patch_model
     AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(METHOD, SparseLoadConfig)
     AUTO_QUANTIZER_MAPPING.setdefault(METHOD, SparseLoader)
 

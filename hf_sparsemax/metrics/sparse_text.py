@@ -76,12 +76,12 @@ def trainer_metrics(mapping: str | Callable[[torch.Tensor], torch.Tensor], vocab
     """``(preprocess_logits_for_metrics, compute_metrics)`` for ``Trainer``.
 
     ``mapping`` turns logits into the model's distribution: a callable or a
-    registered name (use :func:`hf_sparsemax.loss_names.loss_mapping` for a
+    registered name (use :func:`hf_sparsemax.losses.names.loss_mapping` for a
     patched loss with its options). The first
     reduces each batch's logits to 4 numbers per token; the second aggregates
     over the evaluation set, ignoring labels equal to -100.
     """
-    from .mappings.registry import mapping_function
+    from ..mappings.registry import mapping_function
 
     mapping = mapping_function(mapping)
 

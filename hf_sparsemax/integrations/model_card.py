@@ -7,9 +7,14 @@ so); a card of the user's own is left as it is.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
-from ..load_marks import decoding_note
+from .._model import base_model, remove_instance_method, set_instance_method
 from ..settings import SparseSettings
+from ..swaps import PatchRequest
+from .load_marks import decoding_note
+
+TAG = "hf_sparsemax_model_card"
 
 MARK = "<!-- hf_sparsemax model card: rewritten on each save_pretrained; delete this line to keep your edits -->"
 
@@ -67,3 +72,41 @@ def write_card(folder: str | os.PathLike, settings: SparseSettings) -> bool:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(card_text(settings))
     return True
+
+
+class ModelCardPlan(NamedTuple):
+    """A card is written at each save, from the settings in the config then (``settings``: those planned)."""
+
+    settings: SparseSettings
+
+
+class ModelCardSwap:
+    """A patched model's ``save_pretrained`` also writes a README.md saying how to serve it.
+
+    ``model.save_pretrained`` becomes an instance attribute (undone by ``remove``) that calls the class's
+    method, then :func:`write_card` (Trainer checkpoints go through it too).
+    """
+
+    name = "model_card"
+
+    def plan(self, model, request: PatchRequest) -> ModelCardPlan | None:
+        if request.settings.is_default or not hasattr(base_model(model), "save_pretrained"):
+            return None
+        return ModelCardPlan(request.settings)
+
+    def apply(self, model, plan: ModelCardPlan) -> None:
+        inner = base_model(model)
+        original = type(inner).save_pretrained
+
+        def save_pretrained(self, save_directory, *args, **kwargs):
+            result = original(self, save_directory, *args, **kwargs)
+            settings = SparseSettings.from_config(self.config)
+            if settings is not None and kwargs.get("is_main_process", True):
+                write_card(save_directory, settings)
+            return result
+
+        save_pretrained.__doc__ = original.__doc__
+        set_instance_method(inner, "save_pretrained", save_pretrained, TAG)
+
+    def remove(self, model) -> None:
+        remove_instance_method(base_model(model), "save_pretrained", TAG)

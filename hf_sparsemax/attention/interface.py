@@ -33,7 +33,7 @@ blocks whose weights ``[B, H, block, kv]`` hold at most
 queries a block, so past ~1800 keys a block holds ``B H 64 kv``), and ``chunk_size`` overrides the block size. The
 threshold mappings (sparsemax, entmax15, entmax_bisect) keep one threshold per
 query row for backward and recompute the weights from it
-(:mod:`hf_sparsemax.attention_blocks`); the others, and calls with softcapping,
+(:mod:`hf_sparsemax.attention.blocks`); the others, and calls with softcapping,
 a position bias, sinks or dropout, recompute each block of queries in backward
 (activation checkpointing). Weights are returned only where asked for
 (``output_attentions``); under ``torch.compile`` the weights are materialised
@@ -53,9 +53,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention_blocks import block_queries, causal_mask, threshold_attention
-from .mappings import registry
-from .mappings.entmax import precise_in_float32
+from .blocks import block_queries, causal_mask, threshold_attention
+from ..mappings import registry
+from ..mappings.entmax import precise_in_float32
 
 ATTENTION_MAPPINGS = registry.names("attention")
 ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha)

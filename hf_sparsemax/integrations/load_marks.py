@@ -1,6 +1,6 @@
 """What ``patch_model`` writes into a model so that its saved folder loads back as itself.
 
-The config's ``quantization_config`` names the load hook of :mod:`hf_sparsemax.reload`
+The config's ``quantization_config`` names the load hook of :mod:`hf_sparsemax.integrations.reload`
 (:class:`SparseLoadConfig`), ``attn_implementation`` names the sparse attention,
 and for a sparse loss a ``decoding`` sentence, ``generation_config.hf_sparsemax``
 and model tags say how to sample what the loss trained. :func:`mark` writes them,
@@ -16,8 +16,12 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .attention import ALPHA_ATTR
-from .settings import CONFIG_KEY, SparseSettings
+from typing import NamedTuple
+
+from .._model import base_model
+from ..attention.interface import ALPHA_ATTR
+from ..settings import CONFIG_KEY, SparseSettings
+from ..swaps import PatchRequest
 
 METHOD = "hf_sparsemax"  # the quant_method naming the load hook
 NOTE = "not a quantization: transformers' load hook that hf_sparsemax uses to restore its sparse attention and loss"
@@ -37,7 +41,7 @@ class SparseLoadConfig(QuantizationConfigMixin):
 
 def decoding_note(settings: SparseSettings) -> str | None:
     """How to sample from what the loss trained (``None`` for cross-entropy)."""
-    from .generation import processor_for
+    from ..decoding.generation import processor_for
 
     processor = processor_for(settings.loss, settings.loss_options)
     if processor is None:
@@ -151,3 +155,26 @@ def release_alpha_from_adapter(model) -> None:
         names = getattr(config, "modules_to_save", None)
         if names and ALPHA_ATTR in names:
             config.modules_to_save = [name for name in names if name != ALPHA_ATTR] or None
+
+
+class AdapterAlphaPlan(NamedTuple):
+    """The learned alphas of a peft model's attention are listed in its active adapter's ``modules_to_save``."""
+
+
+class AdapterAlphaSwap:
+    """peft saves a model's learned alphas with its adapter and restores them on load (undone by ``remove``)."""
+
+    name = "adapter_alpha"
+
+    def plan(self, model, request: PatchRequest) -> AdapterAlphaPlan | None:
+        options = request.settings.attention_options
+        if options is None or not options.learn_alpha or model is base_model(model):
+            return None
+        return AdapterAlphaPlan()
+
+    def apply(self, model, plan: AdapterAlphaPlan) -> None:
+        keep_alpha_with_adapter(model)
+
+    def remove(self, model) -> None:
+        if model is not base_model(model):
+            release_alpha_from_adapter(model)

@@ -9,7 +9,7 @@ and optional final soft-capping (Gemma),
 with ``dL/dz_n = p_n - e_{t_n} =: g_n`` for every sparse loss (``p`` the loss's
 mapping of ``z``). The chain rule multiplies by ``dz/dx = s (1 - (z/c)**2)``,
 which keeps ``g`` exactly as sparse (which scale and cap a model family uses
-is data: :mod:`hf_sparsemax.fused_heads`). So with ``S`` the support of ``p``
+is data: :mod:`hf_sparsemax.losses.fused_heads`). So with ``S`` the support of ``p``
 plus the target,
 
     dh_n = sum_{i in S_n} g_ni W_i,   dW_i = sum_n g_ni h_n,   db_i = sum_n g_ni:
@@ -43,11 +43,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .loss_names import make_loss
-from .losses import fenchel_young_items
-from .mappings import registry
-from .mappings._core import masked_below, work_dtype
-from .mappings.entmax import precise_in_float32
+from .names import make_loss
+from ..mappings.loss_functions import fenchel_young_items
+from ..mappings import registry
+from ..mappings._core import masked_below, work_dtype
+from ..mappings.entmax import precise_in_float32
 
 CHUNK_TOKENS = 1024  # tokens per chunk of logits: [1024, 49152] float32 is 192 MiB
 DENSE_FRACTION = 32  # a chunk whose largest support exceeds V / DENSE_FRACTION gets a dense gradient
@@ -269,7 +269,7 @@ def fused_head_loss(
     ``"entmax15"`` or ``"entmax_bisect"`` (a float ``alpha``); ``softcap`` is
     Gemma's final ``c * tanh(x / c)``, applied after the multiplier
     ``logit_scale`` (Cohere's ``logit_scale``, ``1 / logits_scaling`` for
-    Granite; see :mod:`hf_sparsemax.fused_heads`). Tokens labelled
+    Granite; see :mod:`hf_sparsemax.losses.fused_heads`). Tokens labelled
     ``ignore_index`` are skipped. Returns the sum over counted tokens divided by
     ``num_items_in_batch`` when given (Trainer's exact gradient accumulation),
     else the mean (``reduction="mean"``, 0 when none counts) or the sum.

@@ -1,6 +1,6 @@
 """Losses by their registered name: what patch_model, Trainer, the fused head and decoding look up.
 
-:mod:`hf_sparsemax.losses` holds the loss functions and knows no names; the
+:mod:`hf_sparsemax.mappings.loss_functions` holds the loss functions and knows no names; the
 registry of mappings (:mod:`hf_sparsemax.mappings.registry`) names them with
 their options; this module turns a name and its options into a loss, the
 distribution that loss trains, or the generic mapping loss.
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from .losses import callable_mapping_loss
-from .mappings import registry, sparse_softmax
+from ..mappings.loss_functions import callable_mapping_loss
+from ..mappings import registry, sparse_softmax
 
 
 def mapping_loss(

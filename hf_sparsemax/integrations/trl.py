@@ -27,7 +27,7 @@ the patched loss with no step from the user:
 
 With ``loss_options={"fused": True}`` (and a plain ``nn.Linear`` head) the
 loss, the entropies and the argmaxes come from one chunked pass of
-:func:`~hf_sparsemax.fused.SparseHeadLossFunction` over the hidden states (no
+:func:`~hf_sparsemax.losses.fused.SparseHeadLossFunction` over the hidden states (no
 ``[tokens, vocab]`` logits, no second pass over the head); the per-token values
 are exact, and the gradient reaches the model through their sum (TRL's loss
 weighs every token alike). Otherwise the model's forward gives the logits, the
@@ -39,7 +39,7 @@ this model instance and are removed by ``unpatch_model``. trl need not be
 installed. Other TRL trainers that send the same request (DPO, KTO, GRPO,
 RLOO) receive the same fields and read ``log_probs`` as the policy's
 ``log pi(y_t)``: right under a likelihood loss, so they run there; under a
-Fenchel-Young or AM-softmax loss they are refused (:mod:`~hf_sparsemax.trainer_guard`).
+Fenchel-Young or AM-softmax loss they are refused (:mod:`~hf_sparsemax.integrations.trainer`).
 """
 
 from __future__ import annotations
@@ -54,14 +54,16 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ._model import remove_instance_method
-from .fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
-from .fused_heads import HeadValues, head_transform, head_values
-from .loss_names import loss_mapping, make_loss
-from .losses import safe_target
-from .mappings import registry
-from .mappings._core import masked_below, work_dtype
-from .settings import SparseSettings
+from .._model import base_model, remove_instance_method
+from ..losses.fused import CHUNK_TOKENS, SparseHeadLossFunction, support_function
+from ..losses.fused_heads import HeadValues, head_transform, head_values
+from ..losses.names import loss_mapping, make_loss
+from ..mappings.loss_functions import safe_target
+from ..mappings import registry
+from ..mappings._core import masked_below, work_dtype
+from ..settings import SparseSettings
+from ..swaps import PatchRequest
+from ..swaps.loss_swap import loss_task
 
 REQUEST = "_hf_sparsemax_token_outputs"  # the private keyword the pre-hook puts in place of fused_lm_head=True
 HOOK_ATTR = "_hf_sparsemax_trl_hook"
@@ -276,3 +278,29 @@ def token_stats(index, p: torch.Tensor, t: torch.Tensor, rows: torch.Tensor) -> 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per counted token ``values`` laid out as ``mask`` (0 / False elsewhere)."""
     return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+class TokenOutputsPlan(NamedTuple):
+    """TRL's per-token fields for this loss (the loss and its options are read from the config at each call)."""
+
+    loss: str
+
+
+class TokenOutputsSwap:
+    """``model(..., fused_lm_head=True)`` returns TRL's per-token fields under the patched loss.
+
+    The forward it installs sits above the fused forward, so it is applied after it and removed before it.
+    """
+
+    name = "token_outputs"
+
+    def plan(self, model, request: PatchRequest) -> TokenOutputsPlan | None:
+        if loss_task(base_model(model), request.settings) != "causal_lm":
+            return None
+        return TokenOutputsPlan(request.settings.loss)
+
+    def apply(self, model, plan: TokenOutputsPlan) -> None:
+        install_token_outputs(base_model(model))
+
+    def remove(self, model) -> None:
+        remove_token_outputs(base_model(model))

@@ -5,7 +5,7 @@ For a mapping whose ``p`` is positive wherever the input is (Taylor softmax:
 ``-log p_t`` is finite and perplexity stays finite. Its gradient is
 ``-(1/p_t) dp_t/dx``, obtained by autograd through the mapping's own backward
 (Taylor softmax's closed-form Jacobian; perturb_max's log-space quadrature),
-so no formula is repeated here. Same conventions as :mod:`hf_sparsemax.losses`:
+so no formula is repeated here. Same conventions as :mod:`hf_sparsemax.mappings.loss_functions`:
 logits ``[..., C]``, targets ``[...]``, ``ignore_index`` items contribute 0
 with zero gradient, ``reduction`` ``"mean"`` / ``"sum"`` / ``"none"``, float32
 (float64 for float64 logits). A target that points at a masked logit
@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from .losses import check_loss_args, reduce, safe_target
-from .mappings._core import masked_below, to_rows
-from .mappings.perturb import DEFAULT_POINTS, check_perturb, perturb_log_rows
-from .mappings.taylor import TaylorSoftmaxFunction, check_order
+from .loss_functions import check_loss_args, reduce, safe_target
+from ._core import masked_below, to_rows
+from .perturb import DEFAULT_POINTS, check_perturb, perturb_log_rows
+from .taylor import TaylorSoftmaxFunction, check_order
 
 
 def nll_loss(logits, target, log_probs: Callable[[torch.Tensor, float], torch.Tensor], ignore_index: int = -100,

@@ -31,9 +31,9 @@ import types
 import torch
 from torch import nn
 
-from .losses import check_loss_args, reduce, safe_target
-from .mappings._core import check_input, masked_below, work_dtype
-from .mappings.sparse_softmax import sparse_softmax
+from .loss_functions import check_loss_args, reduce, safe_target
+from ._core import check_input, masked_below, work_dtype
+from .sparse_softmax import sparse_softmax
 
 # model_type -> the nn.Linear (dotted path) that turns the pooled feature into the class logits
 COSINE_HEADS = {
