@@ -227,7 +227,7 @@ def classifier(family, seed=0):
 
 def cosine_oracle(model):
     """The plain model with its head's Linear fed ``h / |h|`` and weight ``W / |W|``, bias 0: its logits are cosines."""
-    from hf_sparsemax.mappings.margin import COSINE_HEADS
+    from hf_sparsemax.losses.cosine_head import COSINE_HEADS
 
     oracle = copy.deepcopy(model)
     linear = oracle.get_submodule(COSINE_HEADS[model.config.model_type])

@@ -1,7 +1,7 @@
 """The cosine-head swap: for a loss on a cosine head (``am_softmax``) the classifier computes cosines.
 
 The head's ``nn.Linear`` keeps its parameters and gets an instance
-``forward`` (see :mod:`hf_sparsemax.mappings.margin`); a head whose model hard-codes
+``forward`` (see :mod:`hf_sparsemax.losses.cosine_head`); a head whose model hard-codes
 cross-entropy (BERT, RoBERTa, ...) also gets an instance ``forward`` on the
 model computing the loss from ``labels``.
 """
@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .._model import base_model, routes_loss_function
-from ..mappings.margin import head_linears, install_cosine_head, remove_cosine_head
+from ..losses.cosine_head import head_linears, install_cosine_head, remove_cosine_head
 from ..mappings import registry
 from .loss_swap import head_classes, settings_loss, sparse_loss
 from .protocol import PatchRequest
