@@ -9,23 +9,26 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a bare i
         name="torch",
     ) from error
 
-from .attention.interface import LearnedAlpha, register_attention, supported_families
-from .mappings.loss_functions import (
+from .attention import LearnedAlpha, register_attention, supported_families
+from .losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
+    FusedHeadLoss,
     SparsemaxLoss,
     SparseSoftmaxLoss,
+    am_softmax_loss,
     entmax15_loss,
     entmax_bisect_loss,
+    fused_head_loss,
+    mapping_loss,
     normmax_bisect_loss,
+    perturb_max_loss,
     sparse_softmax_loss,
     sparsemax_bisect_loss,
     sparsemax_loss,
+    taylor_softmax_loss,
 )
-from .losses.names import mapping_loss
-from .mappings.likelihood import perturb_max_loss, taylor_softmax_loss
-from .mappings.margin import am_softmax_loss
-from .decoding.generation import (
+from .decoding import (
     EntmaxLogitsProcessor,
     MappingLogitsProcessor,
     SparsemaxLogitsProcessor,
@@ -33,7 +36,6 @@ from .decoding.generation import (
     decoding_report,
     logits_processors,
 )
-from .losses.fused import FusedHeadLoss, fused_head_loss
 from .patch import compute_loss_func, patch_model, unpatch_model
 from .integrations.reload import install_load_hook
 from .integrations.vllm import vllm_generation_kwargs
