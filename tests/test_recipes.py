@@ -311,7 +311,10 @@ def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
         assert all(len(text.split()) >= 2 for text in r["texts"]), r["texts"]
     for name in results:
         assert (out / name / "model" / "adapter_model.safetensors").is_file()
-    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt"} <= set(os.listdir(out))
+    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt",
+            "learned_alphas.png"} <= set(os.listdir(out))
+    assert results["learned_alpha_attn"]["alpha_learning_rate"] == 0.1 and "## Learned alphas" in (
+        out / "report.md").read_text()
 
 
 def test_learned_alpha_variant_records_its_trained_alphas(tiny_llama, tmp_path):

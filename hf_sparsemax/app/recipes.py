@@ -10,7 +10,8 @@ never silently does nothing.
 
 ``variants`` names the settings ``compare`` trains side by side; each one
 overrides the recipe's ``attn``, ``attn_options``, ``loss``, ``loss_options``
-and, key by key, ``training``. ``seeds`` (``null``: one run with
+and, key by key, ``training``, and may give learned alphas their own
+learning rate (``alpha_learning_rate``, see :class:`Variant`). ``seeds`` (``null``: one run with
 ``training.seed``) repeats every variant of ``compare`` once per seed, each
 run with ``training.seed`` set to it (LoRA's initialisation and the order of
 the training blocks); the data split and held-out blocks stay the same. ``training`` is passed through to
