@@ -74,7 +74,8 @@ def test_outputs_a_page_shows_are_compared():
     which the examples' runner compares with what the code prints; a plain block's comment never shows one
     (`print(x)  # tensor([0.9000, ...])` would pass whatever x became)."""
     pages = [os.path.join(ROOT, "README.md")]
-    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names if name.endswith(".md")]
+    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names
+              if name.endswith(".md")]
     shown = []
     for page in pages:
         for block in re.findall(r"^```python\n(.*?)^```", open(page).read(), re.M | re.S):

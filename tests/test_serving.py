@@ -68,7 +68,8 @@ def test_a_refusal_names_only_the_options_a_request_can_set():
     cases = [(entmax15, {"hf_sparsemax_alpha": 1.3}, "['alpha'] are not sampling options of 'entmax15'; it takes none"),
              (None, {"hf_sparsemax": "sparse_softmax", "hf_sparsemax_alpha": 1.3},
               "['alpha'] are not sampling options of 'sparse_softmax'; it takes ['top_k', 'top_p']"),
-             (entmax15, {"hf_sparsemax_fused": True}, "['fused'] are not sampling options of 'entmax15'; it takes none"),
+             (entmax15, {"hf_sparsemax_fused": True},
+              "['fused'] are not sampling options of 'entmax15'; it takes none"),
              (None, {"hf_sparsemax": "entmax_bisect", "hf_sparsemax_top_k": 3},
               "['top_k'] are not sampling options of 'entmax_bisect'; it takes ['alpha']")]
     for folder, extra, message in cases:

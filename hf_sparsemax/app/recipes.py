@@ -244,8 +244,8 @@ class Recipe:
             check_keys("lora", self.lora, lora_fields())
         self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
-            raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training, "
-                              "alpha_learning_rate}")
+            raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, "
+                              "training, alpha_learning_rate}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
             if variant.loss not in (None, "cross_entropy"):
                 try:

@@ -192,6 +192,12 @@ def learned_alpha_summary(r: dict[str, Any], threshold: float = SPARSE_ALPHA) ->
             "all_zeros": float(zeros.mean()) if zeros is not None else None}
 
 
+def span(values) -> str:
+    """``"low-high"`` of a nested list of numbers, 3 decimals (one number when they all round alike)."""
+    low, high = f"{np.min(values):.3f}", f"{np.max(values):.3f}"
+    return low if low == high else f"{low}-{high}"
+
+
 def learned_alpha_section(results: list[dict[str, Any]], threshold: float = SPARSE_ALPHA) -> list[str]:
     """report.md lines on what each learned-alpha run learned; says so plainly when the alphas did not move."""
     runs = learned_alpha_runs(results)
@@ -205,8 +211,8 @@ def learned_alpha_section(results: list[dict[str, Any]], threshold: float = SPAR
         s = learned_alpha_summary(r, threshold)
         rate = f", alpha learning rate {r['alpha_learning_rate']:g}" if r.get("alpha_learning_rate") else ""
         text = (f"- `{r.get('run', r['variant'])}`{rate}: {s['heads']} heads, alpha from "
-                f"{np.min(r['learned_alpha_start']):.3f}-{np.max(r['learned_alpha_start']):.3f} to "
-                f"{r['learned_alpha_min']:.3f}-{r['learned_alpha_max']:.3f} (mean change {s['mean_change']:+.4f}, "
+                f"{span(r['learned_alpha_start'])} to {span(r['learned_alpha_end'])} "
+                f"(mean change {s['mean_change']:+.4f}, "
                 f"largest {s['max_change']:.4f}); heads at alpha >= {threshold}: {s['sparse_start']:.0%} at the "
                 f"start, {s['sparse_end']:.0%} at the end")
         if s["sparse_zeros"] is not None:
