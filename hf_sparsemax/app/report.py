@@ -170,7 +170,8 @@ def head_zero_shares(weights: np.ndarray) -> list[list[float]]:
     return [[zero_share(head) for head in layer] for layer in weights]
 
 
-SPARSE_ALPHA = 1.1  # a head at alpha >= 1.1 gives exact zeros on typical score ranges (1.05 barely does)
+SPARSE_ALPHA = 1.1  # where a head counts as sparse: on SmolLM2 (default recipe) the heads that ended at alpha >= 1.1
+# gave 16% exact attention zeros, all heads 2%; at the start, 1.05, none
 
 
 def learned_alpha_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,7 +222,7 @@ def learned_alpha_section(results: list[dict[str, Any]], threshold: float = SPAR
             text += f" (all heads: {s['all_zeros']:.0%})"
         lines.append(text + ".")
         if s["max_change"] < 0.01:
-            lines.append(f"  The alphas did not move (no head changed by 0.01): this run learned no sparsity; "
+            lines.append("  The alphas did not move (no head changed by 0.01): this run learned no sparsity; "
                          "give the alphas their own learning rate (`alpha_learning_rate`) or more steps.")
     return lines + [""]
 
