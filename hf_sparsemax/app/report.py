@@ -171,7 +171,7 @@ def head_zero_shares(weights: np.ndarray) -> list[list[float]]:
 
 
 SPARSE_ALPHA = 1.1  # where a head counts as sparse: on SmolLM2 (default recipe) the heads that ended at alpha >= 1.1
-# gave 16% exact attention zeros, all heads 2%; at the start, 1.05, none
+# gave 16% exact attention zeros on the heatmap sentence, all 270 heads 2%
 
 
 def learned_alpha_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
