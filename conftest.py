@@ -1,5 +1,9 @@
 """Every ```python block of README.md and docs/ runs as a test (sybil); ```bash and ```text blocks do not.
 
+A ```python block that starts with ``>>>`` is a doctest: what a page shows as an output is compared with
+what the code prints (whitespace runs compare equal, so a long output may wrap). Outputs that depend on a
+random model or on sampling are not shown as values; the page says so.
+
 The blocks of one page run in order in one namespace, as a reader would paste them one after the other, so a
 page loads a model once and its later examples use it. Each page runs in a temporary folder of its own (what
 an example saves, `model.save_pretrained("out")`, lands there). The examples use the offline assets and tiny
@@ -7,6 +11,7 @@ models built from a config, never a download. What a page made is dropped when i
 models never stay in memory during the next.
 """
 
+import doctest
 import gc
 import os
 import tempfile
@@ -29,7 +34,7 @@ def teardown(namespace):
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser()],
+    parsers=[PythonCodeBlockParser(doctest_optionflags=doctest.NORMALIZE_WHITESPACE)],
     patterns=["README.md", "docs/*.md"],
     setup=setup,
     teardown=teardown,

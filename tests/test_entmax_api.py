@@ -32,7 +32,7 @@ from hf_sparsemax.mappings import registry
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "from-entmax.md"
 F64 = torch.float64
-REDUCTION = {"elementwise_mean": "mean", "sum": "sum", "none": "none"}
+ENTMAX_REDUCTIONS = ("elementwise_mean", "sum", "none")  # the names entmax's loss classes accept
 
 
 # ---------------------------------------------------------------- the shim: entmax's names on hf_sparsemax
@@ -42,7 +42,7 @@ REDUCTION = {"elementwise_mean": "mean", "sum": "sum", "none": "none"}
 def _loss_module(cls):
     def make(*args, ignore_index=-100, reduction="elementwise_mean", **options):
         options.pop("n_iter", None)
-        return cls(*args, ignore_index=ignore_index, reduction=REDUCTION[reduction], **options)
+        return cls(*args, ignore_index=ignore_index, reduction=reduction, **options)
 
     return make
 
@@ -238,8 +238,6 @@ def test_losses_take_ignore_index_and_mean_as_the_other_losses_here():
             torch.testing.assert_close(value, items.sum() / 3)
         (grad,) = torch.autograd.grad(value, x)
         assert bool((grad[1] == 0).all())
-    with pytest.raises(ValueError, match="reduction"):
-        hs.NormmaxBisectLoss(reduction="elementwise_mean")
     with pytest.raises(ValueError, match="float alpha"):
         hs.normmax_bisect_loss(X, TARGET, torch.tensor(1.5))
 
@@ -405,6 +403,45 @@ def test_loss_modules_pass_every_argument_on(name):
     target = torch.tensor([0, 1, 2, 3, 4, 1])
     function = cls.function if hasattr(cls, "function") else cls.loss_fn
     torch.testing.assert_close(cls(**args)(x, target), function(x, target, **args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ENTMAX_REDUCTIONS)
+@pytest.mark.parametrize("name", sorted(LOSS_ARGS))
+def test_every_loss_class_takes_entmax_reduction_names(name, reduction):
+    """Each loss class is built with each name entmax's loss classes take; where entmax has the class, values
+    and gradients equal entmax's (``ignore_index=1``: entmax honours only an index >= 0), elsewhere the class
+    equals its function with ``"elementwise_mean"`` read as ``"mean"``."""
+    cls = modules.LOSS_MODULES[name]
+    options = {k: v for k, v in LOSS_ARGS[name].items() if k not in ("reduction", "ignore_index")}
+    target = torch.tensor([0, 1, 3, 1])
+    x = X.tanh()  # within [-1, 1]: AM-softmax takes cosines
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours = cls(**options, ignore_index=1, reduction=reduction)(x_ours, target)
+    theirs_cls = getattr(entmax, cls.__name__, None)
+    if theirs_cls is not None:
+        theirs = theirs_cls(**options, ignore_index=1, reduction=reduction)(x_theirs, target)
+    else:
+        function = cls.function if hasattr(cls, "function") else cls.loss_fn
+        ours_name = "mean" if reduction == "elementwise_mean" else reduction
+        theirs = function(x_theirs, target, **options, ignore_index=1, reduction=ours_name)
+    torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+    weights = torch.linspace(-1, 2, ours.numel(), dtype=F64).reshape(ours.shape)
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-8, atol=1e-9)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        cls(**options, reduction="elementwise_sum")
+
+
+def test_the_fused_head_loss_takes_entmax_mean_name_too():
+    hidden = torch.randn(6, 4, generator=torch.Generator().manual_seed(14))
+    weight = torch.randn(5, 4, generator=torch.Generator().manual_seed(15))
+    labels = torch.tensor([0, 1, -100, 3, 4, 1])
+    legacy = hs.FusedHeadLoss("sparsemax", reduction="elementwise_mean")
+    assert legacy.reduction == "mean"
+    torch.testing.assert_close(legacy(hidden, weight, labels), hs.FusedHeadLoss("sparsemax")(hidden, weight, labels))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        hs.FusedHeadLoss("sparsemax", reduction="none")  # the fused loss never holds one loss per item
 
 
 def test_a_learned_alpha_or_budget_is_a_parameter_of_the_module():

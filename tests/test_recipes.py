@@ -4,6 +4,7 @@ import json
 import os
 import string
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -11,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
-from hf_sparsemax.app import cli
+from hf_sparsemax.app import cli, report
 from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
 CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
@@ -95,7 +96,9 @@ def test_overrides_reach_their_field_and_unknown_fields_are_refused():
     assert recipe.variant("top3").loss == "sparsemax" and recipe.variant("top3").attn == "softmax"
     for bad in ("training.max_stepz=3", "data.blocksize=3", "lora.rank=3", "modle=x", "variants.x.los=y",
                 "variants.entmax15_attn.attn=entmax17", "variants.entmax15_loss.loss_options.top_k=3",
-                "data.block_size=0"):
+                "data.block_size=0", "variants.entmax15_attn.alpha_learning_rate=0.1",
+                "variants.learned_alpha_attn.alpha_learning_rate=-1",
+                "variants.learned_alpha_attn.alpha_learning_rate=fast"):
         with pytest.raises(RecipeError):
             load_recipe("default", [bad])
 
@@ -308,7 +311,10 @@ def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
         assert all(len(text.split()) >= 2 for text in r["texts"]), r["texts"]
     for name in results:
         assert (out / name / "model" / "adapter_model.safetensors").is_file()
-    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt"} <= set(os.listdir(out))
+    assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt",
+            "learned_alphas.png"} <= set(os.listdir(out))
+    assert results["learned_alpha_attn"]["alpha_learning_rate"] == 0.1 and "## Learned alphas" in (
+        out / "report.md").read_text()
 
 
 def test_learned_alpha_variant_records_its_trained_alphas(tiny_llama, tmp_path):
@@ -322,3 +328,42 @@ def test_learned_alpha_variant_records_its_trained_alphas(tiny_llama, tmp_path):
     assert run("train", recipe, "--output", tmp_path / "plain", "--variant", "top3", "--set",
                "training.max_steps=1") == 0
     assert "learned_alpha_mean" not in json.loads((tmp_path / "plain" / "top3" / "results.json").read_text())
+
+
+def test_the_report_shows_what_the_learned_alphas_learned(tiny_llama, tmp_path):
+    """Alphas per layer and head before and after training, the share of heads past a sparse alpha, their
+    attention zeros; at a fine-tuning rate the alphas stay where they started and the report says so, with
+    ``alpha_learning_rate`` (their own optimizer group) they move."""
+    learned = "{attn: entmax_bisect, attn_options: {alpha: 1.05, learn_alpha: true}"
+    variants = f"variants={{still: {learned}}}, fast: {learned}, alpha_learning_rate: 0.5}}}}"
+    recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "report"
+    assert run("compare", recipe, "--output", out, "--set", variants, "--set", "training.learning_rate=1e-4") == 0
+    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    for r in results.values():
+        start, end = np.asarray(r["learned_alpha_start"]), np.asarray(r["learned_alpha_end"])
+        assert start.shape == end.shape == np.asarray(r["attention_zero_heads"]).shape == (2, 4)  # layers, heads
+        np.testing.assert_allclose(start, 1.05, rtol=1e-6)
+        assert r["learned_alpha_max"] == pytest.approx(end.max())
+    change = {name: np.abs(np.subtract(r["learned_alpha_end"], r["learned_alpha_start"])).max()
+              for name, r in results.items()}
+    assert change["still"] < 1e-3 and change["fast"] > 0.02, change
+    assert results["fast"]["alpha_learning_rate"] == 0.5 and "alpha_learning_rate" not in results["still"]
+    assert "learned_alphas.png" in os.listdir(out)
+    text = (out / "report.md").read_text()
+    lines = {name: next(line for line in text.splitlines() if line.startswith(f"- `{name}`")) for name in results}
+    sparse = report.learned_alpha_summary(results["fast"])["sparse_end"]
+    assert f"{sparse:.0%} at the end" in lines["fast"] and "alpha learning rate 0.5" in lines["fast"]
+    assert "did not move" in text.split(lines["still"])[1].split("\n- ")[0] and "did not move" not in (
+        text.split(lines["fast"])[1].split("\n- ")[0])
+    assert "![learned_alphas.png](learned_alphas.png)" in text
+
+
+def test_learned_alpha_summary_counts_heads_past_the_sparse_alpha():
+    r = {"learned_alpha_start": [[1.05, 1.05], [1.05, 1.12]], "learned_alpha_end": [[1.2, 1.05], [1.1, 1.0]],
+         "attention_zero_heads": [[0.5, 0.0], [0.3, 0.1]]}
+    summary = report.learned_alpha_summary(r, threshold=1.1)
+    assert summary == pytest.approx({"heads": 4, "sparse_start": 0.25, "sparse_end": 0.5, "max_change": 0.15,
+                                     "mean_change": (0.15 + 0 + 0.05 - 0.12) / 4, "sparse_zeros": 0.4,
+                                     "all_zeros": 0.225})
+    assert report.learned_alpha_summary({**r, "attention_zero_heads": None}, 1.3)["sparse_zeros"] is None
+    assert report.learned_alpha_section([{"variant": "plain"}]) == []

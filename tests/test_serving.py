@@ -47,7 +47,7 @@ def test_request_choices():
     for bad, message in [
         ({"hf_sparsemax": "softmax"}, "not a loss to sample from"),
         ({"hf_sparsemax": "am_softmax"}, "not a loss to sample from"),
-        ({"hf_sparsemax": "sparsemax", "hf_sparsemax_alpha": 1.5}, "are not options of loss of 'sparsemax'"),
+        ({"hf_sparsemax": "sparsemax", "hf_sparsemax_alpha": 1.5}, "are not sampling options of 'sparsemax'"),
         ({"hf_sparsemax_alpha": 0.5}, "alpha"),
         ({"hf_sparsemax": "off", "hf_sparsemax_top_k": 3}, "give one or the other"),
         ({"hf_sparsemax": "perturb_max"}, "at most 4096 classes"),
@@ -58,6 +58,24 @@ def test_request_choices():
         request_choice(None, {"hf_sparsemax_top_k": 3})
     with pytest.raises(ValueError, match="at most 4096 classes"):
         request_choice(None, {"hf_sparsemax": "perturb_max"})
+
+
+def test_a_refusal_names_only_the_options_a_request_can_set():
+    """The 400 for an option the loss does not take lists the mapping's options, never ``fused`` (a training
+    option); a request's ``fused`` is refused, a folder's is dropped."""
+    entmax15 = folder_choice(config(loss="entmax15", loss_options={"fused": True}))
+    assert entmax15 == Choice("entmax15")
+    cases = [(entmax15, {"hf_sparsemax_alpha": 1.3}, "['alpha'] are not sampling options of 'entmax15'; it takes none"),
+             (None, {"hf_sparsemax": "sparse_softmax", "hf_sparsemax_alpha": 1.3},
+              "['alpha'] are not sampling options of 'sparse_softmax'; it takes ['top_k', 'top_p']"),
+             (entmax15, {"hf_sparsemax_fused": True},
+              "['fused'] are not sampling options of 'entmax15'; it takes none"),
+             (None, {"hf_sparsemax": "entmax_bisect", "hf_sparsemax_top_k": 3},
+              "['top_k'] are not sampling options of 'entmax_bisect'; it takes ['alpha']")]
+    for folder, extra, message in cases:
+        with pytest.raises(ValueError) as refused:
+            request_choice(folder, extra)
+        assert str(refused.value) == message
 
 
 def logits(rows, seed=0):

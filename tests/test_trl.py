@@ -1,6 +1,7 @@
 """trl.SFTTrainer on a patched model trains the patched loss (and logs its distribution's metrics)."""
 
 import copy
+import pathlib
 import warnings
 
 import pytest
@@ -413,6 +414,11 @@ def test_vllm_rollouts_must_sample_the_trained_distribution(tmp_path):
     reason = rollout_refusal(rollout_trainer(folder=base), model)
     assert reason.startswith("GRPOTrainer with use_vllm=True would sample its rollouts with vLLM from softmax")
     assert "sparse_softmax(top_k=5)" in reason and "vllm_generation_kwargs(model)" in reason
+    shown = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()  # the page's refusal
+    shown = shown.split("with one `ValueError`:\n\n```text\nValueError: ", 1)[1].split("```", 1)[0]
+    top3 = hs.patch_model(tiny_lm(), loss="sparse_softmax", loss_options={"top_k": 3})
+    assert " ".join(rollout_refusal(rollout_trainer(folder=base), top3).replace(str(base), "path/to/base").split()) \
+        == " ".join(shown.split())
     assert rollout_refusal(rollout_trainer(folder=base, use_vllm=False), model) is None
     kwargs = vllm_generation_kwargs(model, {"max_tokens": 9, "extra_args": {"mine": 1, "hf_sparsemax": "off"}})
     assert kwargs == {"max_tokens": 9, "extra_args": {"mine": 1, "hf_sparsemax": "sparse_softmax",

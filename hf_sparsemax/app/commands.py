@@ -188,9 +188,12 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
                                "loss": describe(variant.loss, variant.loss_options),
                                "seed": recipe.training_args(variant).get("seed")}
+    if variant.alpha_learning_rate is not None:
+        results["alpha_learning_rate"] = variant.alpha_learning_rate
+    start_alphas = runner.alphas_by_head(trainer.model)  # as configured: a resumed run loads its checkpoint later
     results.update(runner.train(trainer, work, resume))
     results.update(runner.evaluate(trainer))
-    results.update(runner.learned_alphas(trainer.model))
+    results.update(runner.learned_alphas(trainer.model, start_alphas))
     attention = None
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels)
@@ -198,10 +201,13 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
             results["decoders"] = score_decoders(trainer.model, recipe, variant, eval_set)
             results.update(runner.sample(trainer.model, tokenizer, recipe))
             if heatmap:
-                from .report import zero_share
+                from .report import head_zero_shares, zero_share
 
-                attention = runner.attention_map(trainer.model, tokenizer, recipe)
+                weights, tokens = runner.attention_weights(trainer.model, tokenizer, recipe)
+                attention = weights[recipe.eval.heatmap_layer, recipe.eval.heatmap_head], tokens
                 results["attention_zero_share"] = zero_share(attention[0])
+                if start_alphas is not None:
+                    results["attention_zero_heads"] = head_zero_shares(weights)
         runner.write_json(os.path.join(work, "results.json"), results)
         shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
     del trainer, model
@@ -348,7 +354,9 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if recipe.task == "sequence_classification" and report.plot_confusion(
                 firsts, os.path.join(work, "confusion_matrix.png")):
             figures.append("confusion_matrix.png")
-        report.write_report(work, recipe, table, seconds, figures)
+        if report.plot_learned_alphas(firsts, os.path.join(work, "learned_alphas.png")):
+            figures.append("learned_alphas.png")
+        report.write_report(work, recipe, table, seconds, figures, runs=firsts)
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)

@@ -10,7 +10,8 @@ never silently does nothing.
 
 ``variants`` names the settings ``compare`` trains side by side; each one
 overrides the recipe's ``attn``, ``attn_options``, ``loss``, ``loss_options``
-and, key by key, ``training``. ``seeds`` (``null``: one run with
+and, key by key, ``training``, and may give learned alphas their own
+learning rate (``alpha_learning_rate``, see :class:`Variant`). ``seeds`` (``null``: one run with
 ``training.seed``) repeats every variant of ``compare`` once per seed, each
 run with ``training.seed`` set to it (LoRA's initialisation and the order of
 the training blocks); the data split and held-out blocks stay the same. ``training`` is passed through to
@@ -172,7 +173,13 @@ class EvalSpec:
 
 @dataclasses.dataclass
 class Variant:
-    """One trained model of a comparison: its attention, loss and training overrides."""
+    """One trained model of a comparison: its attention, loss and training overrides.
+
+    ``alpha_learning_rate`` (with ``attn_options.learn_alpha``): the learning rate of the learned alphas, in an
+    optimizer group of their own without weight decay, as "Adaptively Sparse Transformers" trains them; at a
+    fine-tuning rate an alpha near 1 barely moves (``d alpha / d a = sigmoid'(a)`` is 0.05 at alpha 1.05).
+    ``null``: the training learning rate.
+    """
 
     name: str
     attn: str | None = None
@@ -180,6 +187,22 @@ class Variant:
     loss: str | None = None
     loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     training: dict[str, Any] = dataclasses.field(default_factory=dict)
+    alpha_learning_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        rate = self.alpha_learning_rate
+        if rate is None:
+            return
+        try:
+            rate = float(rate) if not isinstance(rate, bool) else None  # YAML reads 5e-2 (no dot) as a string
+        except (TypeError, ValueError):
+            rate = None
+        if rate is None or not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"alpha_learning_rate must be a number > 0 or null, got {self.alpha_learning_rate!r}")
+        if not (self.attn_options or {}).get("learn_alpha"):
+            raise ValueError("alpha_learning_rate is the learning rate of learned alphas: set attn_options.learn_alpha "
+                             "to true, or drop it")
+        self.alpha_learning_rate = rate
 
     @property
     def settings(self) -> SparseSettings:
@@ -221,7 +244,8 @@ class Recipe:
             check_keys("lora", self.lora, lora_fields())
         self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
-            raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, training}")
+            raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, "
+                              "training, alpha_learning_rate}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
             if variant.loss not in (None, "cross_entropy"):
                 try:

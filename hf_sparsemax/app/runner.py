@@ -240,11 +240,37 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
                                                       epsilon=recipe.eval.epsilon)
         collator = default_data_collator
     args.per_device_eval_batch_size = recipe.eval.batch_size
+    if variant.alpha_learning_rate is not None:
+        Trainer = alpha_rate_trainer(Trainer, variant.alpha_learning_rate)
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=custom_loss,
                       preprocess_logits_for_metrics=preprocess, compute_metrics=compute)
     trainer.hf_sparsemax_predictions = kept  # classification: filled by each evaluation (see evaluate)
     return trainer
+
+
+def alpha_rate_trainer(trainer_class, rate: float):
+    """``trainer_class`` whose optimizer trains the learned alphas in a group of their own: learning rate
+    ``rate``, no weight decay (decay would pull each ``a`` to 0, that is alpha to 1.5); the other groups as
+    Trainer made them. Built by Trainer's own ``create_optimizer``, so a resumed run gets the same groups."""
+
+    class AlphaRateTrainer(trainer_class):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if any(group.get("hf_sparsemax_alphas") for group in optimizer.param_groups):
+                return optimizer  # grouped already (Trainer calls this again after a resume)
+            alphas = [p for _, p in trainable_alphas(self.model if model is None else model)]
+            if not alphas:
+                raise RecipeError("alpha_learning_rate is set but the model learns no alpha")
+            ids = {id(p) for p in alphas}
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in ids]
+            optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
+            optimizer.add_param_group({"params": alphas, "lr": rate, "weight_decay": 0.0,
+                                       "hf_sparsemax_alphas": True})
+            return optimizer
+
+    return AlphaRateTrainer
 
 
 def last_checkpoint(work_dir: str) -> str | None:
@@ -296,6 +322,12 @@ def sample(model, tokenizer, recipe: Recipe) -> dict[str, Any]:
 
 def attention_map(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[str]]:
     """``[q, kv]`` attention weights of ``eval.heatmap_layer`` / ``heatmap_head`` on ``eval.heatmap_text``."""
+    weights, tokens = attention_weights(model, tokenizer, recipe)
+    return weights[recipe.eval.heatmap_layer, recipe.eval.heatmap_head], tokens
+
+
+def attention_weights(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[str]]:
+    """``[layer, head, q, kv]`` attention weights of every layer and head on ``eval.heatmap_text``, its tokens."""
     inner = base_model(model)
     implementation = getattr(inner.config, "_attn_implementation", None)
     switch = implementation in ("sdpa", "flash_attention_2", "flex_attention")
@@ -311,21 +343,33 @@ def attention_map(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[st
             inner.set_attn_implementation(implementation)
     if not out.attentions or out.attentions[0] is None:
         raise RecipeError("the model returned no attention weights for the heatmap")
-    weights = out.attentions[recipe.eval.heatmap_layer][0, recipe.eval.heatmap_head].float().cpu().numpy()
+    weights = torch.stack([a[0] for a in out.attentions]).float().cpu().numpy()
     tokens = tokenizer.convert_ids_to_tokens(encoded.input_ids[0])
     return weights, [t.replace("Ġ", " ").replace("▁", " ") for t in tokens]
 
 
-def learned_alphas(model) -> dict[str, float]:
-    """``learned_alpha_mean`` / ``_min`` / ``_max`` over the trained per-head alphas, ``1 + sigmoid(pre_alpha)``
-    (empty when the attention learns no alpha)."""
-    values = [p.detach().float().flatten() for name, p in model.named_parameters()
-              if name.endswith("pre_alpha") and p.requires_grad]
-    if not values:
+def trainable_alphas(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable ``pre_alpha`` parameters (one per layer, one entry per head), in layer order; under peft
+    the adapter's copies (``modules_to_save``), not the frozen originals."""
+    return [(name, p) for name, p in model.named_parameters() if name.endswith("pre_alpha") and p.requires_grad]
+
+
+def alphas_by_head(model) -> list[list[float]] | None:
+    """``[layer][head]`` alphas, ``1 + sigmoid(pre_alpha)``; None when the attention learns no alpha."""
+    values = [(1 + torch.sigmoid(p.detach().float())).tolist() for _, p in trainable_alphas(model)]
+    return values or None
+
+
+def learned_alphas(model, start: list[list[float]] | None = None) -> dict[str, Any]:
+    """``learned_alpha_mean`` / ``_min`` / ``_max`` over the trained per-head alphas, and the alphas themselves
+    per layer and head (``learned_alpha_end``; ``learned_alpha_start``: ``start``, taken before training);
+    empty when the attention learns no alpha."""
+    end = alphas_by_head(model)
+    if end is None:
         return {}
-    alpha = 1 + torch.sigmoid(torch.cat(values))
-    return {"learned_alpha_mean": alpha.mean().item(), "learned_alpha_min": alpha.min().item(),
-            "learned_alpha_max": alpha.max().item()}
+    alpha = np.concatenate([np.asarray(layer) for layer in end])
+    return {"learned_alpha_mean": float(alpha.mean()), "learned_alpha_min": float(alpha.min()),
+            "learned_alpha_max": float(alpha.max()), "learned_alpha_start": start, "learned_alpha_end": end}
 
 
 def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None) -> None:

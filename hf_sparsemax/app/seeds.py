@@ -17,7 +17,8 @@ import math
 from typing import Any
 
 NOT_AVERAGED = ("seed",)
-PER_RUN = ("texts", "decoders", "run", "seed", "folder", "resumed_from", "per_class", "confusion_matrix")  # in runs only
+PER_RUN = ("texts", "decoders", "run", "seed", "folder", "resumed_from", "per_class", "confusion_matrix",
+           "learned_alpha_start", "learned_alpha_end", "attention_zero_heads")  # in runs only
 
 
 def spread(values: list[float]) -> tuple[float, dict[str, float | None]]:

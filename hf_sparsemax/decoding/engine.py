@@ -55,18 +55,25 @@ def decoding_losses() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One request's distribution: a loss and its options (``fused`` dropped: it is about training)."""
+    """One request's distribution: a loss and the options of its mapping."""
 
     loss: str
     options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def make(cls, loss: str, options: Mapping[str, Any] | None = None) -> "Choice":
+        """The choice of ``loss`` with ``options``, the mapping's own: a ``ValueError`` (a request's 400) names
+        those a request can set; ``fused``, which says how a loss is computed in training, is not one."""
         if loss not in decoding_losses():
             raise ValueError(f"{KEY}={loss!r}: not a loss to sample from; choose one of {[*decoding_losses(), OFF]}")
-        options = {k: v for k, v in dict(options or {}).items() if k != "fused"}
-        registry.loss_options(loss, options)  # validates names and values (a ValueError saying which)
+        options = dict(options or {})
+        registry.REGISTRY[loss].parse(options, what="sampling options")  # names and values, a sentence saying which
         return cls(loss, tuple(sorted(options.items())))
+
+    @classmethod
+    def trained(cls, loss: str, loss_options: Mapping[str, Any] | None = None) -> "Choice":
+        """The distribution ``loss`` trains with ``loss_options`` (their ``fused`` dropped: not a sampling option)."""
+        return cls.make(loss, {k: v for k, v in dict(loss_options or {}).items() if k != "fused"})
 
     @property
     def keeps_argmax(self) -> bool:
@@ -110,7 +117,7 @@ def folder_choice(config) -> Choice | None:
     refuse_sparse_attention(settings)
     if settings.loss in (None, "cross_entropy"):
         return None
-    return Choice.make(settings.loss, settings.loss_options)
+    return Choice.trained(settings.loss, settings.loss_options)
 
 
 def refuse_sparse_attention(settings: SparseSettings) -> None:

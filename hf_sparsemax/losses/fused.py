@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .names import make_loss
-from ..mappings.loss_functions import fenchel_young_items
+from ..mappings.loss_functions import fenchel_young_items, module_reduction
 from ..mappings import registry
 from ..mappings._core import masked_below, work_dtype
 from ..mappings.entmax import precise_in_float32
@@ -308,7 +308,8 @@ class FusedHeadLoss(nn.Module):
         make_loss(loss, **loss_options)
         support_function(loss, loss_options)
         self.loss, self.softcap, self.ignore_index = loss, softcap, ignore_index
-        self.reduction, self.chunk_size, self.loss_options = reduction, chunk_size, loss_options
+        self.reduction = module_reduction(reduction, ("mean", "sum"))  # entmax's "elementwise_mean" too
+        self.chunk_size, self.loss_options = chunk_size, loss_options
         self.logit_scale = logit_scale
 
     def forward(self, hidden, weight, labels, bias=None, num_items_in_batch=None) -> torch.Tensor:

@@ -44,6 +44,19 @@ from .sparsemax import check_k, sparsemax_rows, support_indicator
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def module_reduction(reduction: str, allowed: tuple[str, ...] = REDUCTIONS) -> str:
+    """A loss module's ``reduction``, validated, with the entmax package's ``"elementwise_mean"`` read as ``"mean"``.
+
+    Every loss class takes the names entmax's loss classes take, so a module built as for entmax constructs
+    unchanged; the loss functions keep one spelling (entmax's functions have no ``reduction``).
+    """
+    name = "mean" if reduction == "elementwise_mean" else reduction
+    if not isinstance(name, str) or name not in allowed:
+        raise ValueError(f"reduction must be one of {allowed} (or entmax's 'elementwise_mean' for 'mean'), "
+                         f"got {reduction!r}")
+    return name
+
+
 def check_loss_args(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise ValueError("logits must be a floating-point tensor of shape [..., num_classes]")
@@ -369,9 +382,7 @@ class _LossModule(nn.Module):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", **options):
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.ignore_index, self.reduction, self.options = ignore_index, reduction, options
+        self.ignore_index, self.reduction, self.options = ignore_index, module_reduction(reduction), options
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return type(self).loss_fn(logits, target, ignore_index=self.ignore_index, reduction=self.reduction,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import loss_functions as losses
-from .loss_functions import REDUCTIONS, sparsemax_bisect_loss
+from .loss_functions import module_reduction, sparsemax_bisect_loss
 from . import registry
 from .entmax import sparsemax_bisect
 
@@ -61,8 +61,8 @@ class _Generated(nn.Module):
         values = dict(bound.arguments)
         if self.entry is not None:  # the registry's options dataclass validates (ValueError, one sentence)
             self.entry.parse({f: values[f] for f in option_names(self.entry)})
-        if "reduction" in values and values["reduction"] not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {values['reduction']!r}")
+        if "reduction" in values:  # entmax's names too: "elementwise_mean" is kept as "mean"
+            values["reduction"] = module_reduction(values["reduction"])
         self._names = tuple(values)
         _store(self, values)
 

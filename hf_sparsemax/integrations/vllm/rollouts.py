@@ -40,7 +40,7 @@ def trained_choice(settings: SparseSettings | None) -> Choice | None:
     """The distribution a model's settings train (``None``: softmax, as cross-entropy trains)."""
     if settings is None or settings.loss in (None, "cross_entropy"):
         return None
-    return Choice.make(settings.loss, settings.loss_options)
+    return Choice.trained(settings.loss, settings.loss_options)
 
 
 def extra_args(choice: Choice | None) -> dict[str, Any]:
