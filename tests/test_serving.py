@@ -181,7 +181,7 @@ def test_a_top_k_top_p_folder_tells_engines_its_sampling(tmp_path):
 @pytest.mark.parametrize("kwargs,says", [
     (dict(loss="sparse_softmax", loss_options={"top_k": 5}), "carries `top_k` / `top_p`"),
     (dict(loss="entmax15"), "sample softmax, not the `entmax15` distribution"),
-    (dict(attn="sparsemax", loss="sparsemax"), "Their attention kernels compute softmax"),
+    (dict(attn="sparsemax", loss="sparsemax"), "computes this model's sparsemax attention over vLLM's paged KV"),
 ])
 def test_a_saved_folder_has_a_model_card_saying_how_to_serve_it(tmp_path, kwargs, says):
     from transformers import LlamaForCausalLM

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
+from smollm2 import float32_smollm2
 from hf_sparsemax.decoding.engine import Choice
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -33,13 +34,8 @@ TOP = 20  # log-probabilities returned per step (the sampled token's comes too)
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    from hf_sparsemax.app.assets import load_smollm2
-
     root = tmp_path_factory.mktemp("folders")
-    model, tokenizer = load_smollm2(dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    model, tokenizer = float32_smollm2()
     hs.patch_model(model, loss="sparsemax")
     model.save_pretrained(root / "sparsemax")
     tokenizer.save_pretrained(root / "sparsemax")
