@@ -26,13 +26,13 @@ def config(**settings):
     return cfg
 
 
-def test_the_folder_choice_is_its_trained_loss_and_sparse_attention_is_refused():
+def test_the_folder_choice_is_its_trained_loss_with_or_without_sparse_attention():
     assert folder_choice(config()) is None
     assert folder_choice(config(loss="cross_entropy")) is None
     assert folder_choice(config(loss="sparse_softmax", loss_options={"top_k": 5, "fused": True})) == Choice(
         "sparse_softmax", (("top_k", 5),))
-    with pytest.raises(ValueError, match="trained with entmax15 attention .* vLLM's attention kernels compute softmax"):
-        folder_choice(config(attn="entmax15", loss="sparsemax"))
+    assert folder_choice(config(attn="entmax15", loss="sparsemax")) == Choice("sparsemax")  # the attention is served
+    assert folder_choice(config(attn="entmax15")) is None
 
 
 def test_request_choices():
@@ -199,7 +199,7 @@ def test_a_top_k_top_p_folder_tells_engines_its_sampling(tmp_path):
 @pytest.mark.parametrize("kwargs,says", [
     (dict(loss="sparse_softmax", loss_options={"top_k": 5}), "carries `top_k` / `top_p`"),
     (dict(loss="entmax15"), "sample softmax, not the `entmax15` distribution"),
-    (dict(attn="sparsemax", loss="sparsemax"), "Their attention kernels compute softmax"),
+    (dict(attn="sparsemax", loss="sparsemax"), "computes this model's sparsemax attention over vLLM's paged KV"),
 ])
 def test_a_saved_folder_has_a_model_card_saying_how_to_serve_it(tmp_path, kwargs, says):
     from transformers import LlamaForCausalLM
@@ -247,8 +247,9 @@ def test_hf_sparsemax_serve_prepares_a_trained_variant_for_vllm_on_loopback(tmp_
     assert run("serve", recipe, "--variant", "topk", "--output", out, "--dry-run", "--", "--host", "0.0.0.0") == 2
     assert run("train", recipe, "--variant", "attention", "--output", out) == 0
     capsys.readouterr()
-    assert run("serve", recipe, "--variant", "attention", "--output", out, "--dry-run") == 2
-    assert "vLLM's attention kernels compute softmax" in capsys.readouterr().err
+    assert run("serve", recipe, "--variant", "attention", "--output", out, "--dry-run") == 0  # sparse attention too
+    served = capsys.readouterr().out.strip().splitlines()[-1].split()[4]
+    assert AutoModelForCausalLM.from_pretrained(served).config.hf_sparsemax["attn"] == "entmax15"
 
 
 @pytest.mark.parametrize("choice", CHOICES + [Choice.make("sparse_softmax", {"top_k": 7, "top_p": 0.5})], ids=str)

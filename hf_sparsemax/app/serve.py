@@ -2,9 +2,10 @@
 
 The variant's folder is served as saved (full fine-tuning), or merged first into ``<variant>/serve``
 (LoRA: adapter merged into its base, saved with the hf_sparsemax settings). vLLM needs hf_sparsemax
-installed in its environment to load such a folder and sample its trained distribution
-(:mod:`hf_sparsemax.integrations.vllm.plugin`); a variant with sparse attention is refused first, with the
-reason. The server listens on the loopback interface only.
+installed in its environment to load such a folder, compute its sparse attention and sample its trained
+distribution (:mod:`hf_sparsemax.integrations.vllm.plugin`); what vLLM cannot serve (a sparse attention off
+vLLM's CPU backend, or with soft-capping, a sliding window, sinks) is refused by the plugin when the engine
+starts, in one line. The server listens on the loopback interface only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def serve_folder(recipe: Recipe, variant_name: str | None, output: str | None) -
     folder = os.path.join(output or default_output(recipe), variant.name)
     model_dir, served = os.path.join(folder, "model"), os.path.join(folder, "serve")
     if os.path.isfile(os.path.join(model_dir, "config.json")):
-        folder_choice(AutoConfig.from_pretrained(model_dir))  # sparse attention: refused before vLLM starts
+        folder_choice(AutoConfig.from_pretrained(model_dir))  # the saved loss options: refused before vLLM starts
         return model_dir
     if os.path.isfile(os.path.join(served, "config.json")):
         return served

