@@ -86,7 +86,7 @@ def check_logged_metrics(sft, model, batch, name, options):
         logits = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     target = batch["labels"][:, 1:]
     kept = target != -100
-    p = hs.loss_names.loss_mapping(name, **options)(logits[kept])
+    p = hs.losses.loss_mapping(name, **options)(logits[kept])
     entropy = -torch.special.xlogy(p, p).sum(-1).mean().item()
     accuracy = (p.argmax(-1) == target[kept]).float().mean().item()
     logged = sft._metrics["train"]
