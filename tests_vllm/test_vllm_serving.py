@@ -144,7 +144,7 @@ def test_bad_per_request_arguments_are_refused(llm):
     """Refused when the request is admitted (an error inside the engine would stop it): the engine serves on."""
     for extra_args, message in [({"hf_sparsemax": "perturb_max"}, "at most 4096 classes"),
                                 ({"hf_sparsemax": "entmax_bisect", "hf_sparsemax_alpha": 0.5}, "alpha"),
-                                ({"hf_sparsemax_top_k": 3}, "not options of loss of 'sparsemax'")]:
+                                ({"hf_sparsemax_top_k": 3}, "are not sampling options of 'sparsemax'; it takes none")]:
         with pytest.raises((ValueError, VLLMValidationError), match=message):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, extra_args=extra_args), use_tqdm=False)
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
