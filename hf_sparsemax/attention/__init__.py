@@ -2,7 +2,8 @@
 
 :mod:`.interface`: the function registered under each attention name, its options, the learned per-head
 alpha and the family check; :mod:`.blocks`: the memory-bounded blocked path (threshold kept per row,
-probabilities recomputed in backward, keys no query weighs skipped). Imports :mod:`hf_sparsemax.mappings`
+probabilities recomputed in backward, keys no query weighs skipped); :mod:`.decode`: decoding steps without
+autograd (a few query rows against a KV cache). Imports :mod:`hf_sparsemax.mappings`
 (and the root's ``_model``) only: never losses, decoding, swaps, integrations or the app.
 """
 

@@ -197,9 +197,10 @@ def block_scores(problem: Problem, part: Block, keys: slice | torch.Tensor):
     return scores, q_block, block_alpha(problem, part, scores.dtype)
 
 
-def forward_blocks(problem: Problem, block: int):
+def forward_blocks(problem: Problem, block: int, keep: bool = True):
     """Output ``[B, Hkv, G, q, D]``, the blocks (with their live keys), and each block's thresholds ``tau``
-    (``[rows, 1]``)."""
+    (``[rows, 1]``). Without ``keep`` (no backward will run: inference) the live keys are not packed for a
+    backward; they still choose how ``P V`` is computed."""
     query, value = problem.query, problem.value
     out = query.new_zeros(query.shape)
     parts, states = [], []
@@ -216,7 +217,7 @@ def forward_blocks(problem: Problem, block: int):
         states.append(tau)
         live, keys = live_keys(p), slice(part.low, part.high)  # the others' weights are exactly 0
         used = int(live.sum())
-        if used <= GATHER_BELOW * live.numel():
+        if keep and used <= GATHER_BELOW * live.numel():
             part = part._replace(live=pack_bits(live))
         if used <= GATHER_WEIGHTS_BELOW * live.numel():
             index = live.nonzero().squeeze(1)
@@ -308,4 +309,4 @@ def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_a
         return ThresholdAttention.apply(*args)
     problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
                       threshold)
-    return forward_blocks(problem, block)[0].flatten(1, 2)
+    return forward_blocks(problem, block, keep=False)[0].flatten(1, 2)

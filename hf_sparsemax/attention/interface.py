@@ -35,7 +35,8 @@ threshold mappings (sparsemax, entmax15, entmax_bisect) keep one threshold per
 query row for backward and recompute the weights from it
 (:mod:`hf_sparsemax.attention.blocks`); the others, and calls with softcapping,
 a position bias, sinks or dropout, recompute each block of queries in backward
-(activation checkpointing). Weights are returned only where asked for
+(activation checkpointing). A decoding step (a few query rows, no gradient wanted) of a threshold mapping takes
+:mod:`hf_sparsemax.attention.decode` instead: one block, nothing kept. Weights are returned only where asked for
 (``output_attentions``); under ``torch.compile`` the weights are materialised
 unless ``chunk_size`` is set.
 """
@@ -54,6 +55,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import block_queries, causal_mask, threshold_attention
+from .decode import decode_attention, decoding_step
 from ..mappings import registry
 from ..mappings.entmax import precise_in_float32
 
@@ -236,6 +238,11 @@ def sparse_attention_forward(
     blocked = None if weights_requested(kwargs) else threshold_path(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, position_bias=position_bias,
         sinks=s_aux, mapping=mapping)
+    step = blocked is not None and (chunk is None or q_len <= chunk)
+    if step and decoding_step(query, key, blocked["alpha"], causal):
+        out = decode_attention(query, key, value, attention_mask, scaling=scaling, alpha=blocked["alpha"],
+                               fixed_alpha=blocked["fixed_alpha"], threshold=blocked["threshold"])
+        return out, None
     if blocked is not None:
         out = threshold_attention(query, key, value, attention_mask, causal=causal, scaling=scaling,
                                   block=chunk or q_len, **blocked)

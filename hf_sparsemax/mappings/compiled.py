@@ -42,10 +42,17 @@ ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"
 _failed: list[str] = []  # the first compile error, once compiling failed in this process
 
 
-def applies(rows: torch.Tensor) -> bool:
-    """Whether ``rows`` go through the compiled kernels (float32, large enough, eager caller, compiling works)."""
-    return (os.environ.get(ENVIRONMENT, "1") != "0" and not _failed and rows.dtype == torch.float32
-            and rows.numel() >= MIN_ELEMENTS and rows.is_contiguous() and not torch.compiler.is_compiling())
+def available() -> bool:
+    """Whether the compiled kernels may run: not switched off (:data:`ENVIRONMENT`), compiling has not failed in
+    this process, and the caller is eager (not being compiled itself)."""
+    return os.environ.get(ENVIRONMENT, "1") != "0" and not _failed and not torch.compiler.is_compiling()
+
+
+def applies(rows: torch.Tensor, minimum: int | None = None) -> bool:
+    """Whether ``rows`` go through the compiled kernels (float32, at least ``minimum`` entries, default
+    ``MIN_ELEMENTS``, eager caller, compiling works)."""
+    minimum = MIN_ELEMENTS if minimum is None else minimum
+    return rows.dtype == torch.float32 and rows.numel() >= minimum and rows.is_contiguous() and available()
 
 
 CLOSED_FORMS = {"sparsemax": 2.0, "entmax15": 1.5}  # alphas the kernels take by name (closed-form certificates)
@@ -143,15 +150,18 @@ def settle(rows, masked, alpha, threshold, found):
     return p, tau.to(rows.dtype)
 
 
-def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, threshold: Callable):
+def weights(rows: torch.Tensor, masked: float, alpha: float | torch.Tensor, threshold: Callable,
+            minimum: int | None = None):
     """``(p, tau)`` of ``[rows, n]`` scores; ``threshold(rows, masked, alpha)`` is the eager exact solver.
 
     ``alpha`` is the mapping's alpha (2 for sparsemax, 1.5 for entmax15), a float or ``[rows, 1]``. The weights
     are written over ``rows`` on the eager path. ``tau`` (``[rows, 1]`` in the rows' dtype, the precision the map
     reads it in) is all :func:`weights_vjp` needs besides the rows: 4 bytes a row in float32, as a flash
     kernel's log-sum-exp. The other number of a row, its shift, is the row's maximum, found again from the rows.
+    ``minimum``: the fewest entries the compiled kernel takes (default ``MIN_ELEMENTS``; a decoding step asks for
+    less: one call to the compiled graph costs less than the eager solver's passes, each with a host test).
     """
-    found = run(solve_and_map_in(passes(alpha)), rows, masked, alpha=alpha) if applies(rows) else None
+    found = run(solve_and_map_in(passes(alpha)), rows, masked, alpha=alpha) if applies(rows, minimum) else None
     if found is None:
         shift, tau = threshold(rows, masked, alpha)
         return threshold_map(rows, shift, tau, alpha - 1, 1 / (alpha - 1), out=rows), tau.to(rows.dtype)
