@@ -19,6 +19,7 @@ decode <= 1.05x / <= 1.2x. Where an attention skips KV pages (``pages``), the sh
     PYTHONPATH=. python benchmarks/bench_inference.py --contexts 8192 --rounds 1 --prefills 1
     PYTHONPATH=. python benchmarks/bench_inference.py --batches 8 --contexts 512
     PYTHONPATH=. python benchmarks/bench_inference.py --threads 1 --clock cpu   # on a shared, loaded machine
+    PYTHONPATH=. python benchmarks/bench_inference.py --device cuda --dtype bfloat16 --contexts 2048 8192
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def measure(name: str, contexts: list[int], batches: list[int], prefills: int, tokens: int, dtype: str,
-            clock) -> dict:
+            clock, device: str = "cpu") -> dict:
     """The child process: prefill and decode milliseconds for each (context, batch) of one contender."""
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
@@ -77,13 +78,13 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
 
     attention, options = CONTENDERS[name][:2]
     model, tokenizer = load_smollm2(dtype=getattr(torch, dtype))
-    model.eval()
+    model.to(device).eval()
     if attention != "sdpa":
         hs.patch_model(model, attn=attention, attn_options=options)
     found = {}
     with torch.no_grad():
         for batch in batches:  # compiles the kernels (prefill blocks, decoding steps) before anything is timed
-            warm_ids, warm_mask = prompt(tokenizer, WARMUP_TOKENS, batch)
+            warm_ids, warm_mask = (t.to(device) for t in prompt(tokenizer, WARMUP_TOKENS, batch))
             full = bool(warm_mask.all())
             out = model(input_ids=warm_ids, attention_mask=None if full else warm_mask,
                         position_ids=positions(warm_mask), past_key_values=DynamicCache(config=model.config))
@@ -94,7 +95,7 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
                             position_ids=positions(warm_mask)[:, -1:], past_key_values=out.past_key_values)
         for context in contexts:
             for batch in batches:
-                ids, mask = prompt(tokenizer, context, batch)
+                ids, mask = (t.to(device) for t in prompt(tokenizer, context, batch))
                 full = bool(mask.all())
                 times = []
                 for _ in range(prefills):
@@ -114,6 +115,14 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
                 found[f"{context}x{batch}"] = {"prefill": statistics.median(times) * 1e3,
                                                "decode": statistics.median(steps) * 1e3}
     return found
+
+
+def synchronised(clock):
+    """``clock`` read after the GPU has finished the work queued so far (CUDA runs asynchronously)."""
+    def read() -> float:
+        torch.cuda.synchronize()
+        return clock()
+    return read
 
 
 def load() -> str:
@@ -138,13 +147,16 @@ def main() -> None:
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="wall: elapsed time; cpu: the process's CPU time (with --threads 1, what a shared, "
                              "loaded machine still measures fairly: time spent waiting for a core is not counted)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the wall clock, synchronised)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         torch.set_num_threads(args.threads)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        if args.device.startswith("cuda"):
+            clock = synchronised(time.perf_counter)
         print(json.dumps(measure(args.child, args.contexts, args.batches, args.prefills, args.tokens, args.dtype,
-                                 clock)))
+                                 clock, args.device)))
         return
     if "sdpa" not in args.contenders:
         args.contenders = ["sdpa", *args.contenders]
@@ -155,13 +167,15 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", name, "--contexts", *map(str, args.contexts),
                        "--batches", *map(str, args.batches), "--prefills", str(args.prefills),
                        "--tokens", str(args.tokens), "--dtype", args.dtype, "--threads", str(args.threads),
-                       "--clock", args.clock]
+                       "--clock", args.clock, "--device", args.device]
             done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
             if done.returncode:
                 raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
             samples[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             loads.append(load())
-    print(f"SmolLM2-135M-Instruct ({args.dtype}), fortunes text, {args.threads} threads, {args.clock} clock; medians of "
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+             else f"{args.threads} threads, {args.clock} clock")
+    print(f"SmolLM2-135M-Instruct ({args.dtype}), fortunes text, {where}; medians of "
           f"{args.rounds} rounds ({args.prefills} prefills, {args.tokens} decode steps each); load average "
           f"{loads[0]} at start, {loads[-1]} at end\n")
     print("| context | batch | step | sdpa | " + " | ".join(n for n in args.contenders if n != "sdpa") + " |")
