@@ -370,3 +370,14 @@ def test_a_backend_that_fails_falls_back_to_the_eager_solver_with_one_warning(co
     assert compiled._failed and not compiled.applies(torch.zeros(4, 4))
     torch.testing.assert_close(out, materialised(module, "entmax15", q, k, v, masks()["causal"], 0.4),
                                rtol=1e-5, atol=2e-6)
+
+
+def test_an_accelerator_takes_larger_blocks_than_the_cpu():
+    """On a GPU each block costs kernel launches and a wait for its live keys, so its budget is larger: SmolLM2's
+    2048-token prefill (9 heads) is one block there and 32 blocks on the CPU; both stay linear past their budget."""
+    assert attention_blocks.block_queries(1, 9, 2048, 2048, device=torch.device("cpu")) == 64
+    assert attention_blocks.block_queries(1, 9, 2048, 2048) == 64  # no device named: the CPU's budget
+    assert attention_blocks.block_queries(1, 9, 2048, 2048, device=torch.device("meta")) == 2048
+    per_query = 9 * 32768
+    block = attention_blocks.block_queries(1, 9, 32768, 32768, device="meta")
+    assert block * per_query <= attention_blocks.DEVICE_ATTENTION_BUDGET < (block + 8) * per_query

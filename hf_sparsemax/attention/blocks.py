@@ -51,21 +51,29 @@ from ..mappings import compiled
 from ..mappings._core import masked_below
 
 ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
+DEVICE_ATTENTION_BUDGET = 1 << 26  # ... on an accelerator (256 MiB in float32), where each block costs launches
 MIN_BLOCK_QUERIES = 64  # ... unless that leaves fewer queries a block: every block reads all its keys and values
 GATHER_BELOW = 0.9  # a block whose queries weigh at most this share of its keys: its backward gathers them ...
 GATHER_WEIGHTS_BELOW = 0.5  # ... and at most this share: its P V too (copying the weights' live columns)
 
 
-def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None) -> int:
-    """Queries per block: all of them when ``[B, H, q, kv]`` fits ``budget`` (``ATTENTION_BUDGET``), else equal
-    blocks that fit, but never fewer than ``MIN_BLOCK_QUERIES`` queries.
+def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None,
+                  device: torch.device | None = None) -> int:
+    """Queries per block: all of them when ``[B, H, q, kv]`` fits ``budget`` (``ATTENTION_BUDGET`` on the CPU,
+    ``DEVICE_ATTENTION_BUDGET`` on another ``device``), else equal blocks that fit, but never fewer than
+    ``MIN_BLOCK_QUERIES`` queries.
 
     Each block multiplies its queries with every key and value it sees, so blocks of a few queries re-read
     ``K`` and ``V`` once per handful of queries (at 8192 tokens the budget alone leaves 14 queries a block, 586
     blocks a layer, and the step took 1.6x sdpa's time). Past the point where the budget holds fewer than
     ``MIN_BLOCK_QUERIES`` queries (about 1800 keys for 9 heads), a block holds ``B H 64 kv`` entries: linear
-    in the length, as the activations are (18 MiB in float32 at 8192 tokens, 9 heads), never ``q x kv``."""
-    budget = ATTENTION_BUDGET if budget is None else budget
+    in the length, as the activations are (18 MiB in float32 at 8192 tokens, 9 heads), never ``q x kv``.
+
+    A GPU runs a small block's dozen kernels faster than it launches them, and each block's live-key scan
+    waits for the device: on an H200, SmolLM2's 2048-token prefill took 20x sdpa's time in 4 MiB blocks
+    (930 compiled calls, 29k kernel launches; the GPU busy 110 ms of 930), hence the larger budget there."""
+    if budget is None:
+        budget = ATTENTION_BUDGET if device is None or torch.device(device).type == "cpu" else DEVICE_ATTENTION_BUDGET
     per_query = max(1, batch * heads * keys)
     if per_query * queries <= budget:
         return max(1, queries)

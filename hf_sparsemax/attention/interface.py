@@ -234,7 +234,7 @@ def sparse_attention_forward(
     q_len = query.shape[-2]
     causal = is_causal(module, q_len, attention_mask, kwargs)
     if chunk is None and not torch.compiler.is_compiling():  # memory-bounded by default (eager)
-        chunk = block_queries(query.shape[0], query.shape[1], q_len, key.shape[-2])
+        chunk = block_queries(query.shape[0], query.shape[1], q_len, key.shape[-2], device=query.device)
     blocked = None if weights_requested(kwargs) else threshold_path(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, position_bias=position_bias,
         sinks=s_aux, mapping=mapping)
