@@ -3,8 +3,10 @@
 The offline SmolLM2-135M-Instruct (30 layers, float32), saved twice: as it is (vLLM's own CPU attention) and
 patched with ``--attn`` (hf_sparsemax's attention backend, in torch over vLLM's paged cache). Each folder gets
 its own engine, one after the other; a batch of ``--batch`` requests decodes ``--new-tokens`` tokens
-(``ignore_eos``), median of ``--repeats`` rounds. The engine's start time is timed too. transformers' own
-``generate`` decodes the same batch (left padding) from the sparse folder, for the second baseline.
+(``ignore_eos``), median of ``--repeats`` rounds. The engine's start time is timed too, and its memory: the
+peak resident memory (``VmHWM``) of the engine's processes summed, read before the engine shuts down (the KV
+cache is the same ``VLLM_CPU_KVCACHE_SPACE`` for both). transformers' own ``generate`` decodes the same batch
+(left padding) from the sparse folder, for the second baseline.
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/bench_serving_attention.py --batch 8 --new-tokens 64 --repeats 3
 """
@@ -37,8 +39,23 @@ def save_folders(root: str, attn: str) -> dict[str, str]:
     return folders
 
 
-def vllm_rate(folder: str, prompts: list[str], new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(engine start in s, median tokens/s) of one engine serving ``folder``; the engine is shut down after."""
+def engine_memory() -> float:
+    """Peak resident memory (``VmHWM``, MiB) of this process's child processes (the engine's) summed."""
+    import psutil
+
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            with open(f"/proc/{child.pid}/status") as status:
+                total += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+def vllm_rate(folder: str, prompts: list[str], new_tokens: int, repeats: int) -> tuple[float, float, float]:
+    """(engine start in s, median tokens/s, engine peak memory in MiB) of one engine serving ``folder``; the engine
+    is shut down after."""
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -51,10 +68,11 @@ def vllm_rate(folder: str, prompts: list[str], new_tokens: int, repeats: int) ->
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+    memory = engine_memory()
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return started, len(prompts) * new_tokens / statistics.median(times)
+    return started, len(prompts) * new_tokens / statistics.median(times), memory
 
 
 def transformers_rate(folder: str, prompts: list[str], new_tokens: int, repeats: int) -> float:
@@ -88,14 +106,15 @@ def main() -> None:
         rows = {f"vLLM, {name} attention": vllm_rate(folder, prompts, args.new_tokens, args.repeats)
                 for name, folder in folders.items()}
         rows[f"transformers generate, {args.attn} attention"] = (
-            None, transformers_rate(folders[args.attn], prompts, args.new_tokens, args.repeats))
-    base_start, base_rate = rows["vLLM, softmax attention"]
+            None, transformers_rate(folders[args.attn], prompts, args.new_tokens, args.repeats), None)
+    base_start, base_rate, base_memory = rows["vLLM, softmax attention"]
     print(f"batch {args.batch}, {args.new_tokens} new tokens, median of {args.repeats}\n")
-    print("| engine | tokens/s | vs vLLM softmax | engine start (s) |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, (started, rate) in rows.items():
-        start = f"{started:.1f}" if started is not None else "-"
-        print(f"| {name} | {rate:.1f} | {rate / base_rate:.2f} | {start} |")
+    print("| engine | tokens/s | vs vLLM softmax | engine start (s) | vs softmax | engine peak RSS (MiB) | vs softmax |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (started, rate, memory) in rows.items():
+        start = f"{started:.1f} | {started / base_start:.2f}" if started is not None else "- | -"
+        peak = f"{memory:.0f} | {memory / base_memory:.2f}" if memory is not None else "- | -"
+        print(f"| {name} | {rate:.1f} | {rate / base_rate:.2f} | {start} | {peak} |")
 
 
 if __name__ == "__main__":

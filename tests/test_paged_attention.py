@@ -14,7 +14,9 @@ from torch import nn
 
 import hf_sparsemax as hs
 from hf_sparsemax.attention.interface import ALPHA_ATTR, OPTIONS_ATTR, LearnedAlpha, sparse_attention_forward
-from hf_sparsemax.integrations.vllm.paged_attention import PagedBatch, SparseAttention, paged_attention, write_cache
+from hf_sparsemax.integrations.vllm import paged_attention as paged
+from hf_sparsemax.integrations.vllm.paged_attention import (PagedBatch, SparseAttention, paged_attention, step_plan,
+                                                            write_cache)
 from hf_sparsemax.settings import SparseSettings
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
@@ -61,8 +63,9 @@ class FakeEngine:
         self.sequences = sequences
         self.done = [0] * len(sequences)
 
-    def step(self, requests, attention, write=True):
-        """Run ``{request: new tokens}``; returns each request's output rows."""
+    def step(self, requests, attention, layers=1):
+        """Run ``{request: new tokens}`` (``layers`` times over the same cache, with one plan, as an engine's layers
+        read it); returns each request's output rows (of the last)."""
         qs, ks, vs, starts, lengths, slots = [], [], [], [0], [], []
         for request, count in requests.items():
             q, k, v = self.sequences[request]
@@ -84,8 +87,15 @@ class FakeEngine:
         value = torch.cat([*vs, torch.randn(padding, KV_HEADS, DIM)])
         batch = PagedBatch(torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
                            table.to(torch.int32), torch.cat([*slots, torch.full((padding,), -1)]))
-        write_cache(self.cache, key, value, batch.slot_mapping)
-        out = paged_attention(query, self.cache, batch, SCALE, attention)
+        if layers == 1:  # no plan given: paged_attention builds the step's own
+            write_cache(self.cache, key, value, batch.slot_mapping)
+            out = paged_attention(query, self.cache, batch, SCALE, attention)
+        else:  # one plan for the step, read by every layer (each writes the same keys again)
+            plan = step_plan(batch, self.cache, query)
+            for _ in range(layers):
+                assert plan.serves(batch, self.cache, query)
+                write_cache(self.cache, key, value, batch.slot_mapping, plan)
+                out = paged_attention(query, self.cache, batch, SCALE, attention, plan=plan)
         return {request: out[starts[i]:starts[i + 1]] for i, request in enumerate(requests)}
 
 
@@ -141,3 +151,25 @@ def test_a_learned_alpha_is_per_head():
     p = attention.weights(scores)
     for head, alpha in enumerate(learned_alpha()):
         torch.testing.assert_close(p[0, head], hs.entmax_bisect(scores[0, head], float(alpha)), rtol=0, atol=1e-6)
+
+
+THRESHOLDS = [a for a in ATTENTIONS if a[0] != "sparse_softmax"]
+
+
+@pytest.mark.parametrize("attn,options", THRESHOLDS, ids=[f"{a}{o}" for a, o in THRESHOLDS])
+def test_the_compiled_kernel_a_shared_plan_and_decode_rows_apart_equal_transformers(attn, options, monkeypatch):
+    """The threshold mappings through the compiled row kernel (as served: every call here, not only from
+    MIN_SCORES scores), the step's plan shared by three layers, and decode requests whose rows are not
+    consecutive (a prefill chunk between them) and of different lengths (a padded batch)."""
+    monkeypatch.setattr(paged, "MIN_SCORES", 0)
+    module, attention = layer_of(attn, options)
+    seqs = sequences([9, 14, 7])
+    engine = FakeEngine(seqs, seed=2)
+    got = {r: [] for r in range(len(seqs))}
+    for steps in ({0: 6, 2: 4}, {0: 1, 1: 8, 2: 1}, {2: 1, 1: 6, 0: 1}, {0: 1, 2: 1}):
+        for request, rows in engine.step(steps, attention, layers=3).items():
+            got[request].append(rows)
+    for request, (q, k, v) in enumerate(seqs):
+        expected = reference(module, attn, q, k, v)
+        torch.testing.assert_close(torch.cat(got[request]), expected, rtol=0, atol=2e-6)
+    assert engine.done == [9, 14, 7]

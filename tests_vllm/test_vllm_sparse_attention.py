@@ -36,9 +36,8 @@ PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a t
            "My favourite food is"]
 ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, block_size=32,
               max_num_batched_tokens=64, enable_prefix_caching=True, disable_log_stats=False)
-FOLDERS = {  # name: (attn, attn_options, loss)
+FOLDERS = {  # name: (attn, attn_options, loss); the loss folder stands for entmax15 attention too (one engine less)
     "sparsemax": ("sparsemax", {}, None),
-    "entmax15": ("entmax15", {}, None),
     "entmax_bisect_1.3": ("entmax_bisect", {"alpha": 1.3}, None),
     "learned_alpha": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}, None),
     "entmax15+sparsemax_loss": ("entmax15", {}, "sparsemax"),

@@ -28,10 +28,11 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...settings import SparseSettings
-from .paged_attention import PagedBatch, SparseAttention, paged_attention, write_cache
+from .paged_attention import PagedBatch, SparseAttention, StepPlan, paged_attention, step_plan, write_cache
 
 ALPHA_PARAM = "hf_sparsemax_pre_alpha"  # on vLLM's Attention layer: the learned pre-alphas of this rank's heads
 CHECKPOINT_ALPHA = re.compile(r"\.hf_sparsemax_alpha\.pre_alpha$")  # the name transformers saves them under
+PLAN = "hf_sparsemax_plan"  # on a step's attention metadata (one object, built once a step, handed to every layer)
 
 
 def attention_settings(hf_config) -> SparseSettings | None:
@@ -68,7 +69,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.settings is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        write_cache(kv_cache, key, value, slot_mapping)
+        # written by forward, with the step's plan (vLLM calls both with the same keys and values)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -84,10 +85,22 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise ValueError(f"{layer.layer_name}: hf_sparsemax serves causal decoder attention only")
         count = attn_metadata.num_actual_tokens
-        batch = PagedBatch(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
-                           attn_metadata.slot_mapping)
-        paged_attention(query[:count], kv_cache, batch, self.scale, self.attention, output[:count])
+        plan = step_of(attn_metadata, kv_cache, query[:count])
+        if self.kv_sharing_target_layer_name is None and key is not None:  # vLLM's condition for a cache update
+            write_cache(kv_cache, key, value, plan.batch.slot_mapping, plan)
+        paged_attention(query[:count], kv_cache, plan.batch, self.scale, self.attention, output[:count], plan)
         return output
+
+
+def step_of(attn_metadata, kv_cache: torch.Tensor, query: torch.Tensor) -> StepPlan:
+    """The step's :class:`StepPlan`, built by its first layer and kept on its attention metadata for the others."""
+    batch = PagedBatch(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
+                       attn_metadata.slot_mapping)
+    plan = getattr(attn_metadata, PLAN, None)
+    if plan is None or not plan.serves(batch, kv_cache, query):
+        plan = step_plan(batch, kv_cache, query)
+        setattr(attn_metadata, PLAN, plan)
+    return plan
 
 
 class SparseCPUAttentionBackend(CPUAttentionBackend):

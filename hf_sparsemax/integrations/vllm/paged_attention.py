@@ -11,26 +11,36 @@ backend) is read here as ``[blocks * block_size, 2, kv_heads, head_size]``: the 
 slot ``s = block * block_size + offset`` sit in row ``s`` (this module's own layout, not the C++ kernels': a
 layer only ever reads what it wrote). ``block_table[r]`` lists request ``r``'s blocks in order.
 
-The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the registry's row
-solver of the saved mapping (:mod:`hf_sparsemax.mappings.registry`: the one implementation that training,
-losses and decoding use); masked keys are ``-inf`` (weight exactly 0). A learned alpha is one value per query
-head. Decode steps (one new token a request) run as one padded batch; the other requests one at a time, their
-queries in blocks whose scores stay within :data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries.
+The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the registry's solver
+of the saved mapping (:mod:`hf_sparsemax.mappings.registry`: the one implementation that training, losses and
+decoding use; for the threshold mappings, sparsemax, entmax15 and entmax_bisect, its compiled row kernel from
+:data:`MIN_SCORES` scores, as transformers' decoding path runs it, :mod:`hf_sparsemax.attention.decode`);
+masked keys get weight exactly 0. A learned alpha is one value per query head.
+
+One step, many layers. Everything that depends on the step's layout only (which requests decode, the cache rows
+of each request's keys, the masks) is a :class:`StepPlan`, built once a step (:func:`step_plan`; vLLM's
+backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer then
+gathers its keys and values with one index, and runs the decode steps (one new token a request) as one padded
+batched call; the other requests one at a time, their queries in blocks whose scores stay within
+:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. No layer reads a tensor's value on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import torch
 
 from ...attention.blocks import block_queries
 from ...attention.interface import AttentionOptions
-from ...mappings import registry
+from ...mappings import compiled, registry
 from ...mappings._core import masked_below
 from ...mappings.entmax import precise_in_float32
 from ...settings import SparseSettings
+
+MIN_SCORES = 4096  # scores of a call from which the compiled threshold kernel solves them (fewer: the eager solver)
 
 
 class PagedBatch(NamedTuple):
@@ -64,18 +74,31 @@ class SparseAttention:
             raise ValueError("learned alphas given for an attention that did not learn them")
         return cls(options.mapping, options.options, alpha)
 
-    def weights(self, scores: torch.Tensor) -> torch.Tensor:
-        """``mapping(scores)`` along the keys of ``scores [B, H, q, kv]`` (masked keys ``-inf``: weight 0)."""
+    @functools.cached_property
+    def float64(self) -> bool:
+        """Whether the weights are solved in float64 (alphas that float32 rounding would spoil; read once)."""
+        alpha = self.alpha if self.alpha is not None else getattr(self.options, "alpha", None)
+        return alpha is not None and not precise_in_float32(alpha)
+
+    def weights(self, scores: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        """``mapping(scores)`` along the keys of ``scores [B, H, q, kv]`` (masked keys at or below ``finfo.min``:
+        weight 0); ``overwrite``: ``scores`` may hold the weights after (no copy)."""
         entry = registry.REGISTRY[self.mapping]
         rows, options = scores.reshape(-1, scores.shape[-1]), self.options
-        alpha = getattr(options, "alpha", None)
-        if self.alpha is not None:  # one per score row, as the blocked attention of transformers passes them
-            alpha = self.alpha.to(scores.device).view(1, -1, 1).expand(scores.shape[:-1]).reshape(-1, 1)
-        if alpha is not None and not precise_in_float32(alpha):
+        if not overwrite and rows.data_ptr() == scores.data_ptr():
+            rows = rows.clone()
+        if self.float64:
             rows = rows.double()  # as the mapping computes such alphas (float32 rounding grows with 1 / (alpha - 1))
-        if self.alpha is not None:
-            options = dataclasses.replace(options, alpha=alpha.to(rows.dtype))
-        return entry.rows(rows, masked_below(rows.dtype), options).to(scores.dtype).view(scores.shape)
+        alpha = entry.fenchel_young_alpha(options) if entry.threshold is not None else None
+        if self.alpha is not None:  # one per score row, as the blocked attention of transformers passes them
+            alpha = self.alpha.to(rows).view(1, -1, 1).expand(scores.shape[:-1]).reshape(-1, 1)
+            options = dataclasses.replace(options, alpha=alpha)
+        masked = masked_below(rows.dtype)
+        if entry.threshold is None:
+            p = entry.rows(rows, masked, options)
+        else:  # the compiled row kernel from MIN_SCORES scores, else the eager exact solver (as decoding does)
+            p, _ = compiled.weights(rows, masked, alpha, entry.threshold, minimum=MIN_SCORES)
+        return p.to(scores.dtype).view(scores.shape)
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -87,82 +110,201 @@ def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(blocks * block_size, 2, kv_heads, both // 2)
 
 
-def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's ``key`` / ``value`` ``[tokens, kv_heads, head_size]`` in their slots (negative: skipped;
-    tokens past ``slot_mapping``: padding)."""
-    rows = cache_rows(kv_cache)
-    count = min(key.shape[0], slot_mapping.shape[0])
-    slots, key, value = slot_mapping[:count].long(), key[:count], value[:count]
-    kept = slots >= 0
-    if not bool(kept.all()):
-        slots, key, value = slots[kept], key[kept], value[kept]
-    rows.index_copy_(0, slots, torch.stack([key, value], 1).to(rows.dtype))
-
-
-def key_slots(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[R, max(lengths)]`` cache rows of each request's keys in order (slot 0 past a request's length)."""
-    positions = torch.arange(int(lengths.max()), device=block_table.device)
+def key_slots(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """``[R, width]`` cache rows of each request's keys in order; past a request's length, the row of its first
+    key (written, so finite: its weight there is 0)."""
+    positions = torch.arange(width, device=block_table.device)
     blocks = block_table.long().gather(1, (positions // block_size).expand(len(lengths), -1).clamp_max(
         block_table.shape[1] - 1))
     slots = blocks * block_size + positions % block_size
-    return slots.masked_fill_(positions >= lengths[:, None], 0)
+    return torch.where(positions < lengths[:, None], slots, slots[:, :1])
 
 
-def attend(query, keys, values, lengths, new, scale, attention: SparseAttention, first=0):
-    """Output ``[R, q, H, D]`` of the queries ``[R, q, H, D]`` over ``keys`` / ``values [R, kv, Hkv, D]``.
+def gather_index(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[2 * R * kv_heads * width]``: the rows of the cache seen as ``[rows, head_size]`` (:func:`cache_rows`
+    flattened) that hold the keys, then the values, of each kv head at ``slots [R, width]``: one
+    ``index_select`` gathers them as ``[2, R, kv_heads, width, head_size]`` (each request's keys, and values, one
+    contiguous batch of matrices)."""
+    parts = torch.arange(2 * kv_heads, device=slots.device).view(2, 1, kv_heads, 1)  # (key or value) * kv_heads + head
+    return (slots[None, :, None, :] * (2 * kv_heads) + parts).reshape(-1)
 
-    Request ``r`` has ``lengths[r]`` keys, ``new[r]`` of them new; ``query`` holds its new rows
-    ``first ... first + q - 1`` (rows past ``new[r]``: padding, output 0).
-    """
-    batch, rows, heads, dim = query.shape
-    kv_heads = keys.shape[2]
-    groups = heads // kv_heads
-    q = query.permute(0, 2, 1, 3).reshape(batch, kv_heads, groups * rows, dim)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).mul_(scale).view(batch, kv_heads, groups, rows, -1)
-    row = torch.arange(first, first + rows, device=query.device)
-    last_seen = (lengths - new)[:, None] + row  # [R, q]: the last key each query row sees
-    key = torch.arange(scores.shape[-1], device=query.device)
-    hidden = (key > last_seen[..., None]) | (row >= new[:, None])[..., None]  # [R, q, kv]
-    scores.masked_fill_(hidden[:, None, None], float("-inf"))
-    p = attention.weights(scores.view(batch, heads, rows, -1)).view(batch, kv_heads, groups * rows, -1)
-    if values.shape[0] > 1:  # a padded batch: keys past a request's length are another's (or unwritten) slots
-        padded = key[None] >= lengths[:, None]
-        values = values.masked_fill(padded[:, :, None, None], 0)  # weight 0 times whatever they hold (NaN too) is 0
-    out = torch.matmul(p.to(values.dtype), values.permute(0, 2, 1, 3))
-    return out.view(batch, heads, rows, dim).transpose(1, 2)
+
+def gather(kv_cache: torch.Tensor, index: torch.Tensor, requests: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)``, each ``[requests, kv_heads, width, head_size]`` and contiguous, at a :func:`gather_index`."""
+    rows = cache_rows(kv_cache)
+    found = rows.view(-1, rows.shape[-1]).index_select(0, index).view(2, requests, rows.shape[2], width, -1)
+    return found[0], found[1]
+
+
+def causal_mask(first: int, stop: int, length: int, new: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask ``[1, 1, 1, stop - first, length]`` of a request's new query rows ``first ... stop - 1``
+    (``length`` keys, ``new`` of them new): 0 on the keys ``j <= length - new + i``, ``finfo.min`` after."""
+    last_seen = torch.arange(first, stop, device=device) + (length - new)
+    hidden = torch.arange(length, device=device) > last_seen[:, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, masked_below(dtype))[
+        None, None, None]
+
+
+class DecodePlan(NamedTuple):
+    """The requests of a step with one new token each, as one padded batch of ``requests x keys`` keys."""
+
+    tokens: slice | torch.Tensor  # their query rows (a slice when they are consecutive)
+    index: torch.Tensor  # their keys and values in the cache (:func:`gather_index`; padding: a request's first key)
+    mask: torch.Tensor | None  # [requests, 1, 1, 1, keys] additive: finfo.min on the padding (None: no padding)
+    requests: int
+    keys: int
+
+
+class PrefillBlock(NamedTuple):
+    """Query rows ``first ... stop - 1`` (of a request's new rows) and their causal mask, or None (built per layer:
+    the step's masks would be large)."""
+
+    first: int
+    stop: int
+    mask: torch.Tensor | None
+
+
+class PrefillPlan(NamedTuple):
+    """A request with several new tokens: its query rows ``start ... stop - 1`` and the cache rows of its keys."""
+
+    start: int
+    stop: int
+    index: torch.Tensor  # its keys and values in the cache (:func:`gather_index`)
+    length: int
+    blocks: list[PrefillBlock]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What every layer of one engine step reads from the step's layout (see the module docstring)."""
+
+    batch: PagedBatch  # the step it was built for (compared by identity: :meth:`serves`)
+    block_size: int
+    heads: int
+    kv_heads: int
+    dtype: torch.dtype
+    write_slots: torch.Tensor  # [n] long: the cache rows of the step's first n key / value rows
+    write_rows: torch.Tensor | None  # which of those n rows are cached (None: all)
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+    def serves(self, batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
+        """Whether this plan is the one of ``batch`` for this layer's cache and queries."""
+        return (all(mine is theirs for mine, theirs in zip(self.batch, batch))
+                and (self.kv_heads, self.block_size) == kv_cache.shape[1:3] and self.heads == query.shape[1]
+                and self.dtype == query.dtype)
+
+
+MASK_BUDGET = 1 << 20  # mask entries a step plan keeps for its prefill blocks (more: built in each layer)
+
+
+def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) -> StepPlan:
+    """The :class:`StepPlan` of ``batch`` for layers with caches and queries shaped as ``kv_cache`` and ``query``
+    (the only host reads of a step: its layout)."""
+    (_, kv_heads, block_size, _), (_, heads, _) = kv_cache.shape, query.shape
+    dtype, device = query.dtype, query.device
+    starts, lengths = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    new = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
+    table = batch.block_table.to(device)
+    write_slots, write_rows = cached_rows(batch.slot_mapping[: starts[-1]].to(device))
+    decode = None
+    decoding = [request for request, count in enumerate(new) if count == 1]
+    if decoding:
+        tokens = [starts[request] for request in decoding]
+        keys = max(lengths[request] for request in decoding)
+        decode_lengths = torch.tensor([lengths[request] for request in decoding], device=device)
+        index = torch.tensor(decoding, device=device)
+        consecutive = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+        mask = None
+        if min(lengths[request] for request in decoding) < keys:
+            hidden = torch.arange(keys, device=device) >= decode_lengths[:, None]  # [requests, keys]
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, masked_below(dtype))
+            mask = mask[:, None, None, None]
+        decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
+                            gather_index(key_slots(table[index], decode_lengths, block_size, keys), kv_heads), mask,
+                            len(decoding), keys)
+    prefills, entries = [], sum(count * lengths[request] for request, count in enumerate(new) if count > 1)
+    for request in (request for request, count in enumerate(new) if count > 1):
+        length, count = lengths[request], new[request]
+        step = block_queries(1, heads, count, length)
+        blocks = [PrefillBlock(first, min(first + step, count),
+                               causal_mask(first, min(first + step, count), length, count, dtype, device)
+                               if entries <= MASK_BUDGET else None) for first in range(0, count, step)]
+        slots = key_slots(table[request : request + 1], torch.tensor([length], device=device), block_size, length)
+        prefills.append(PrefillPlan(starts[request], starts[request + 1], gather_index(slots, kv_heads), length,
+                                    blocks))
+    return StepPlan(batch, block_size, heads, kv_heads, dtype, write_slots, write_rows, decode, prefills)
+
+
+def cached_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(slots, rows)``: the cache rows of a step's tokens that are cached (``slot_mapping`` negative: a padding
+    token, not cached) and which of the tokens those are (None: all)."""
+    slots = slot_mapping.long()
+    kept = slots >= 0
+    if bool(kept.all()):
+        return slots, None
+    rows = kept.nonzero().squeeze(1)
+    return slots[rows], rows
+
+
+def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                plan: StepPlan | None = None) -> None:
+    """Store the step's ``key`` / ``value`` ``[tokens, kv_heads, head_size]`` in their slots (negative: skipped;
+    tokens past ``slot_mapping``: padding); with ``plan`` (the step's), its slots, not ``slot_mapping``'s."""
+    rows = cache_rows(kv_cache)
+    if plan is None:
+        slots, kept = cached_rows(slot_mapping[: min(key.shape[0], slot_mapping.shape[0])])
+    else:
+        slots, kept = plan.write_slots, plan.write_rows
+    key, value = (key[: len(slots)], value[: len(slots)]) if kept is None else (key[kept], value[kept])
+    rows.index_copy_(0, slots, torch.stack([key, value], 1).to(rows.dtype))
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           attention: SparseAttention) -> torch.Tensor:
+    """Output ``[R, H, q, D]`` of the queries ``[R, Hkv, G, q, D]`` (query head ``h`` is kv head ``h // G``) over
+    ``keys`` / ``values [R, Hkv, kv, D]``, ``mask`` additive, broadcastable to ``[R, Hkv, G, q, kv]`` (or None:
+    every key seen)."""
+    batch, kv_heads, groups, rows, dim = query.shape
+    scores = torch.matmul(query.reshape(batch, kv_heads, groups * rows, dim), keys.transpose(-1, -2))
+    grouped = scores.view(batch, kv_heads, groups, rows, -1)
+    if mask is None:
+        scores.mul_(scale)
+    else:
+        torch.add(mask, grouped, alpha=scale, out=grouped)
+    p = attention.weights(scores.view(batch, kv_heads * groups, rows, -1), overwrite=True)
+    out = torch.matmul(p.view(scores.shape).to(values.dtype), values)  # [R, Hkv, G q, D]
+    return out.view(batch, kv_heads * groups, rows, dim)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
-                    attention: SparseAttention, output: torch.Tensor | None = None) -> torch.Tensor:
+                    attention: SparseAttention, output: torch.Tensor | None = None,
+                    plan: StepPlan | None = None) -> torch.Tensor:
     """The sparse attention of ``query [tokens, H, D]`` over each request's cached keys (the step's own keys already
-    written by :func:`write_cache`).
+    written by :func:`write_cache`); ``plan``: the step's :func:`step_plan` (built here when not given).
 
     Returns ``[tokens, H, D]`` (into ``output`` when given); rows past ``query_start_loc[-1]`` are left as they are.
     """
-    rows = cache_rows(kv_cache)
-    keys_of, values_of = rows[:, 0], rows[:, 1]
-    block_size = kv_cache.shape[2]
-    starts = batch.query_start_loc.long().cpu()
-    lengths = batch.seq_lens.long().to(query.device)
-    new = (starts[1:] - starts[:-1]).to(query.device)
-    table = batch.block_table.to(query.device)
+    if plan is None:
+        plan = step_plan(batch, kv_cache, query)
     out = torch.zeros_like(query) if output is None else output
-    decode = (new == 1).nonzero().squeeze(1)
-    if decode.numel():  # one padded batch: a row for each request
-        slots = key_slots(table[decode], lengths[decode], block_size)
-        tokens = starts[:-1].to(query.device)[decode]
-        found = attend(query[tokens][:, None], keys_of[slots], values_of[slots], lengths[decode], new[decode], scale,
-                       attention)
-        out[tokens] = found[:, 0].to(out.dtype)
-    for request in (new > 1).nonzero().squeeze(1).tolist():
-        start, stop = int(starts[request]), int(starts[request + 1])
-        length = lengths[request : request + 1]
-        slots = key_slots(table[request : request + 1], length, block_size)
-        keys, values = keys_of[slots], values_of[slots]
-        step = block_queries(1, query.shape[1], stop - start, int(length))
-        for first in range(0, stop - start, step):
-            here = slice(start + first, min(start + first + step, stop))
-            found = attend(query[here][None], keys, values, length, new[request : request + 1], scale, attention,
-                           first)
-            out[here] = found[0].to(out.dtype)
+    _, heads, dim = query.shape
+    kv_heads = plan.kv_heads
+    groups = heads // kv_heads
+    if plan.decode is not None:  # one padded batch: a row for each request
+        decode = plan.decode
+        keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
+        rows = query[decode.tokens].view(decode.requests, kv_heads, groups, 1, dim)
+        found = attend(rows, keys, values, decode.mask, scale, attention)
+        out[decode.tokens] = found.view(decode.requests, heads, dim).to(out.dtype)
+    for request in plan.prefills:
+        keys, values = gather(kv_cache, request.index, 1, request.length)
+        count = request.stop - request.start
+        for block in request.blocks:
+            mask = block.mask if block.mask is not None else causal_mask(
+                block.first, block.stop, request.length, count, query.dtype, query.device)
+            here = slice(request.start + block.first, request.start + block.stop)
+            rows = query[here].view(1, -1, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+            found = attend(rows, keys, values, mask, scale, attention)  # [1, H, rows, D]
+            out[here] = found[0].transpose(0, 1).to(out.dtype)
     return out
