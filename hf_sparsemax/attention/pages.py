@@ -117,6 +117,8 @@ class PageSummary:
 def remember_cache(module, args, kwargs) -> None:
     """Forward pre-hook of an attention module: keep a reference to its cache layer for the attention call, and
     mark whether the layer's summary still describes the keys the cache is about to extend."""
+    if torch.compiler.is_compiling():  # a compiled model takes the materialised path: nothing to hand over
+        return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     layers, index = getattr(cache, "layers", None), getattr(module, "layer_idx", None)
     layer = None
