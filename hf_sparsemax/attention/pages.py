@@ -254,12 +254,15 @@ def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | 
     """``p V`` (``p [B, Hkv, G q, m]``) over the rows of ``V`` some weight of their kv head is nonzero on.
 
     ``index``: the rows of ``value.reshape(-1, D)`` the ``m`` columns of ``p`` weigh (``[B Hkv m]``), or None for
-    ``value [B, Hkv, m, D]`` itself. Where at most ``GATHER_VALUES_BELOW`` of the columns carry weight (a kv
+    ``value [B, Hkv, m, D]`` itself (then from ``MIN_KEYS`` keys: at 512 the search for the support cost more
+    than it saved). Where at most ``GATHER_VALUES_BELOW`` of the columns carry weight (a kv
     head's rows: 2 to 20 keys of 2048 for sparsemax on real text), only their value rows are read (the padding
     of a head with fewer gathers weight 0); else one dense product.
     """
     batch, kv_heads, rows, keys = p.shape
     dim = value.shape[-1]
+    if index is None and keys < MIN_KEYS:  # short rows: the dense product costs less than finding the support
+        return torch.matmul(p.to(value.dtype), value)
     live = p.ne(0).any(2)  # [B, Hkv, m]
     most = int(live.sum(-1).max())
     if index is None and (most > GATHER_VALUES_BELOW * keys or not value.is_contiguous()):
