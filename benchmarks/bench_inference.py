@@ -13,7 +13,9 @@ left-padded, row ``i`` shorter by ``i * 8`` tokens):
 
 Targets (issue 37; ratios to sdpa, met / MISSED printed beside each):
 prefill <= 1.15x for sparsemax and entmax15, <= 1.5x for entmax_bisect(1.3) and a learned alpha (from 1.3);
-decode <= 1.05x / <= 1.2x. Where an attention skips KV pages (``pages``), the share of pages it never read.
+decode <= 1.05x / <= 1.2x. Where an attention skips KV pages (``pages skipped``: exact KV skipping of
+:mod:`hf_sparsemax.attention.pages`, from ``MIN_KEYS`` cached keys; ``HF_SPARSEMAX_KV_SKIP=0`` turns it off), the
+share of the pages of its decoding steps whose keys and values it never read.
 
     PYTHONPATH=. python benchmarks/bench_inference.py                       # 512 and 2048 tokens, batch 1
     PYTHONPATH=. python benchmarks/bench_inference.py --contexts 8192 --rounds 1 --prefills 1
@@ -74,6 +76,7 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
     """The child process: prefill and decode milliseconds for each (context, batch) of one contender."""
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
+    from hf_sparsemax.attention import pages
     from transformers import DynamicCache
 
     attention, options = CONTENDERS[name][:2]
@@ -105,6 +108,7 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
                     times.append(clock() - start)
                 steps, cache = [], out.past_key_values
+                pages.reset_counts()
                 for _ in range(tokens):
                     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                     mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
@@ -113,7 +117,8 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
                                 past_key_values=cache, use_cache=True)
                     steps.append(clock() - start)
                 found[f"{context}x{batch}"] = {"prefill": statistics.median(times) * 1e3,
-                                               "decode": statistics.median(steps) * 1e3}
+                                               "decode": statistics.median(steps) * 1e3,
+                                               "pages": pages.skipped_share() if pages.COUNTS["calls"] else None}
     return found
 
 
@@ -191,6 +196,9 @@ def main() -> None:
                          for n in args.contenders if n != "sdpa"]
                 shown = f"{base / 1e3:.2f} s" if base >= 1e3 else f"{base:.1f} ms"
                 print(f"| {context} | {batch} | {step} | {shown} | " + " | ".join(cells) + " |")
+            shares = [[s[key].get("pages") for s in samples[n]] for n in args.contenders if n != "sdpa"]
+            cells = ["" if None in share else f"{statistics.median(share):.0%}" for share in shares]
+            print(f"| {context} | {batch} | pages skipped | | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

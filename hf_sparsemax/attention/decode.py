@@ -26,7 +26,8 @@ import torch
 
 from ..mappings import compiled
 from ..mappings._core import masked_below
-from .blocks import Block, block_scores, grouped
+from .blocks import Block, block_alpha, block_scores, grouped
+from .pages import skipping_attention, weighted_values
 
 MAX_QUERIES = 16  # query rows per sequence up to which a call counts as a decoding step
 MIN_SCORES = 4096  # scores of a call from which the compiled kernel solves them (fewer: the eager solver)
@@ -40,19 +41,28 @@ def decoding_step(query: torch.Tensor, key: torch.Tensor, alpha: torch.Tensor | 
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in operands))
 
 
-def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_alpha, threshold) -> torch.Tensor:
+def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_alpha, threshold,
+                     pages=None) -> torch.Tensor:
     """Attention output ``[B, q, H, D]`` of a threshold mapping for a decoding call, without autograd.
 
     ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``, ``mask`` additive, broadcastable to
     ``[B, H, q, kv]``, or None (every key seen); ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None (then
-    ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager exact row solver.
+    ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager exact row solver;
+    ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`) to skip the pages that
+    provably weigh nothing (:func:`.pages.skipping_attention`), or None.
     """
     batch, heads, rows, dim = query.shape
     keys = key.shape[-2]
     problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
                       scaling, threshold)
+    if pages is not None:
+        row_alpha = block_alpha(problem, Block(0, rows, 0, keys), query.dtype)
+        out = skipping_attention(problem, *pages, row_alpha, MIN_SCORES)
+        if out is not None:
+            return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
     scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
     p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
                             minimum=MIN_SCORES)
-    out = torch.matmul(p.view(scores.shape).to(value.dtype), value)  # [B, Hkv, G q, D]
+    out = weighted_values(p.view(scores.shape), value)  # [B, Hkv, G q, D]
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
+

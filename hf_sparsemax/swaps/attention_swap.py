@@ -20,6 +20,7 @@ from torch import nn
 from .._model import base_model
 from ..attention.interface import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
 from ..attention.interface import check_supported, num_heads
+from ..attention import pages
 from .protocol import PatchRequest
 
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
@@ -106,6 +107,7 @@ class AttentionSwap:
             setattr(inner, ORIGINAL_ATTR, inner.config._attn_implementation)
         for module, count, kept in zip(plan.modules, plan.heads, plan.kept):
             setattr(module, OPTIONS_ATTR, plan.options)
+            pages.install(module)  # hands the attention its cache layer: exact KV skipping while decoding
             if count is not None:
                 device = next(module.parameters(), torch.empty(0)).device
                 module.add_module(ALPHA_ATTR, kept if kept is not None else LearnedAlpha(count, plan.options.alpha).to(device))
@@ -117,6 +119,7 @@ class AttentionSwap:
         inner = base_model(model)
         for module in inner.modules():
             vars(module).pop(OPTIONS_ATTR, None)
+            pages.uninstall(module)
             module._modules.pop(ALPHA_ATTR, None)
         original = vars(inner).pop(ORIGINAL_ATTR, None)
         if inner.config._attn_implementation in ATTENTION_MAPPINGS:

@@ -1,0 +1,277 @@
+"""Exact KV skipping at decode time: page summaries beside the cache, and the pages they prove weigh nothing.
+
+A decoding step of alpha-entmax attention (alpha > 1) gives key ``j`` of a score row ``s`` the weight
+
+    p_j = relu((alpha - 1)(s_j - shift) - tau) ** (1 / (alpha - 1)),   shift = max s,
+
+so ``p_j = 0`` exactly when ``s_j <= cut = shift + tau / (alpha - 1)`` (the threshold in the scores' units). Two
+facts make ``cut`` certifiable without reading every key (THEORY.md, "Exact KV skipping at decode time"):
+
+- the ``cut`` of a subset of the keys is at most the ``cut`` of all of them (adding a key never lowers the
+  threshold), so a ``cut_S`` solved over the keys of a few pages is a lower bound of the true one;
+- with the per-channel ``min_c``, ``max_c`` of a page's keys (its summary, ``2 D`` numbers for ``PAGE`` keys),
+  every score of the page is at most ``U = scaling * sum_c max(q_c min_c, q_c max_c) + max(mask over the page)``
+  (Quest, Tang et al. 2024, ranks pages by this bound; here it certifies them).
+
+A page with ``U <= cut_S`` for every query row of its kv head has weight exactly 0: its keys and values are never
+read. :func:`skipping_attention` scores ``FIRST_PAGES`` pages (the first, the last full one, the best-bounded
+others) and the partly filled last page, solves ``cut_S`` with the mapping's own exact solver, keeps every page
+not certified, and solves the kept keys: the same threshold and weights as over all keys (the keys left out
+have weight 0), so the output is the full computation's to rounding. The certificate keeps a margin of
+``sqrt(eps)`` relative to ``cut`` (far above the rounding of the scores and the bound).
+
+The summaries live on transformers' cache layer (``DynamicLayer``, ``StaticLayer``) as :class:`PageSummary`,
+brought up to date incrementally: a decoding step adds a full page every ``PAGE`` keys, the first step past
+``MIN_KEYS`` summarises the prefix. The attention function does not receive the cache, so a forward pre-hook
+on each attention module (:func:`remember_cache`, installed by the attention swap) hands it the module's cache
+layer, and checks before the cache changes that the summary still describes its keys (the same tensor, not
+modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. Switched off with the
+environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from ..mappings import compiled
+from ..mappings._core import masked_below
+
+PAGE = 64  # keys a page
+MIN_KEYS = 1024  # cached keys from which a decoding step skips pages (measured: below, the full step is as fast)
+FIRST_PAGES = 8  # pages scored first (with the partly filled last one)
+RETRY = 32  # steps a layer waits after a try that kept more than MAX_KEPT of its pages
+MAX_KEPT = 0.5  # share of the pages above which the full step is cheaper than gathering the kept ones
+GATHER_VALUES_BELOW = 0.25  # share of a head's keys with weight up to which P V reads only their values
+ENVIRONMENT = "HF_SPARSEMAX_KV_SKIP"
+SUMMARY_ATTR = "hf_sparsemax_pages"  # on a cache layer: its PageSummary
+LAYER_ATTR = "_hf_sparsemax_cache_layer"  # on an attention module, from its pre-hook to its attention call
+COUNTS = {"calls": 0, "pages": 0, "skipped": 0}  # attention calls that skipped, pages they had, pages not read
+
+
+def enabled() -> bool:
+    """Whether decoding steps skip pages (not switched off by ``HF_SPARSEMAX_KV_SKIP=0``)."""
+    return os.environ.get(ENVIRONMENT, "1") != "0"
+
+
+def skipped_share() -> float:
+    """The share of pages never read by the calls counted in :data:`COUNTS` (0 when there were none)."""
+    return COUNTS["skipped"] / COUNTS["pages"] if COUNTS["pages"] else 0.0
+
+
+def reset_counts() -> None:
+    COUNTS.update(calls=0, pages=0, skipped=0)
+
+
+def layer_kinds() -> tuple[type, ...]:
+    """The cache layers whose keys a summary can follow: appended to (``DynamicLayer``: a new tensor, the old
+    one its prefix) or written in place after the filled length (``StaticLayer``). Not a sliding window (drops
+    its oldest keys) nor a quantized cache (hands the attention other tensors than it keeps)."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    return DynamicLayer, StaticLayer
+
+
+def filled(layer) -> int:
+    """Keys written to a cache layer."""
+    length = getattr(layer, "cumulative_length", None)
+    return int(length) if length is not None else layer.keys.shape[-2]
+
+
+class PageSummary:
+    """Per-channel ``mins``, ``maxs [B, Hkv, pages, D]`` of the first ``pages`` full pages of a layer's keys, and
+    what they were taken from: the keys tensor (a weak reference), its in-place version and filled length."""
+
+    def __init__(self, key: torch.Tensor) -> None:
+        batch, heads, _, dim = key.shape
+        self.mins = self.maxs = key.new_empty(batch, heads, 0, dim)
+        self.source, self.version, self.length, self.carried = None, -1, 0, False
+        self.wait = 0  # decoding steps before the next try (after one that did not pay: RETRY)
+
+    @property
+    def pages(self) -> int:
+        return self.mins.shape[2]
+
+    def describes(self, layer) -> bool:
+        """Whether these pages are still pages of ``layer``'s keys (checked before the cache adds keys)."""
+        keys = layer.keys
+        return (self.source is not None and self.source() is keys and keys._version == self.version
+                and filled(layer) >= self.length)
+
+    def update(self, key: torch.Tensor, length: int) -> "PageSummary":
+        """Summarise the full pages of ``key[..., :length, :]`` not summarised yet."""
+        pages = length // PAGE
+        if pages > self.pages:
+            new = key[:, :, self.pages * PAGE : pages * PAGE].unflatten(2, (pages - self.pages, PAGE))
+            self.mins = torch.cat([self.mins, new.amin(3)], dim=2)
+            self.maxs = torch.cat([self.maxs, new.amax(3)], dim=2)
+        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
+        return self
+
+    def __getstate__(self):  # a copied summary describes no tensor (rebuilt on use)
+        return dict(vars(self), source=None)
+
+
+def remember_cache(module, args, kwargs) -> None:
+    """Forward pre-hook of an attention module: keep a reference to its cache layer for the attention call, and
+    mark whether the layer's summary still describes the keys the cache is about to extend."""
+    if torch.compiler.is_compiling():  # a compiled model takes the materialised path: nothing to hand over
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    layers, index = getattr(cache, "layers", None), getattr(module, "layer_idx", None)
+    layer = None
+    if isinstance(layers, list) and isinstance(index, int) and 0 <= index < len(layers):
+        layer = layers[index] if type(layers[index]) in layer_kinds() else None
+    summary = getattr(layer, SUMMARY_ATTR, None) if getattr(layer, "keys", None) is not None else None
+    if summary is not None:
+        summary.carried = summary.describes(layer)
+    vars(module)[LAYER_ATTR] = None if layer is None else weakref.ref(layer)
+
+
+def install(module) -> None:
+    module.register_forward_pre_hook(remember_cache, with_kwargs=True)
+
+
+def uninstall(module) -> None:
+    for handle, hook in list(module._forward_pre_hooks.items()):
+        if hook is remember_cache:
+            del module._forward_pre_hooks[handle]
+            module._forward_pre_hooks_with_kwargs.pop(handle, None)
+    vars(module).pop(LAYER_ATTR, None)
+
+
+def take_layer(module):
+    """The cache layer the module's pre-hook found for this call (None without one), forgotten by the module."""
+    ref = vars(module).pop(LAYER_ATTR, None)
+    return None if ref is None else ref()
+
+
+def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[PageSummary, int] | None:
+    """``(summary, filled length)`` of the cache ``layer`` if this call got its keys, or None: no layer, too few
+    keys (fewer than ``MIN_KEYS``, or not one full page), skipping switched off."""
+    if layer is None or layer.keys is not key or not enabled() or not (key.is_contiguous() and value.is_contiguous()):
+        return None
+    length = filled(layer)
+    if length < max(MIN_KEYS, PAGE) or (length < key.shape[-2] and mask is None):  # unwritten slots need a mask
+        return None
+    summary = getattr(layer, SUMMARY_ATTR, None)
+    if summary is None or not (summary.carried or summary.source is not None and summary.source() is key
+                               and key._version == summary.version) or summary.mins.shape[:2] != key.shape[:2]:
+        summary = PageSummary(key)
+        setattr(layer, SUMMARY_ATTR, summary)
+    return summary.update(key, length), length
+
+
+def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float) -> torch.Tensor:
+    """``U [B, Hkv, G q, pages]``: an upper bound of every (masked) score of each page, for each query row
+    (``query [B, Hkv, G, q, D]``; ``mask`` additive ``[B | 1, Hkv | 1, G | 1, q, kv]`` or None)."""
+    batch, kv_heads, groups, rows, dim = query.shape
+    q = query.reshape(batch, kv_heads, groups * rows, dim)
+    bound = torch.matmul(q.clamp_min(0), summary.maxs.transpose(-1, -2))
+    bound.add_(torch.matmul(q.clamp_max(0), summary.mins.transpose(-1, -2))).mul_(scaling)
+    if mask is not None:
+        pages = summary.pages
+        worst = mask[..., : pages * PAGE].unflatten(-1, (pages, PAGE)).amax(-1)
+        bound.add_(worst.expand(batch, kv_heads, groups, rows, pages).reshape(bound.shape))
+    return bound
+
+
+def gather_pages(problem, pages: torch.Tensor, full: int, length: int, valid: torch.Tensor | None = None):
+    """``(scores [B, Hkv, G q, m], rows of K and V [B Hkv m])`` of the keys of ``pages [B, Hkv, k]`` (page indices
+    per kv head) and of the partly filled last page ``[full, length)``; pages where ``valid`` is False are masked."""
+    query, key, mask = problem.query, problem.key, problem.mask
+    batch, kv_heads, groups, rows, dim = query.shape
+    device = key.device
+    positions = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=device)).flatten(-2)
+    if valid is not None:
+        valid = valid.unsqueeze(-1).expand(*valid.shape, PAGE).flatten(-2)
+    if length > full:
+        tail = torch.arange(full, length, device=device).expand(batch, kv_heads, -1)
+        positions = torch.cat([positions, tail], dim=-1)
+        if valid is not None:
+            valid = torch.cat([valid, valid.new_ones(tail.shape)], dim=-1)
+    starts = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1) * key.shape[-2]
+    index = (positions + starts).flatten()
+    keys = key.reshape(-1, dim).index_select(0, index).view(batch, kv_heads, -1, dim)
+    q = query.reshape(batch, kv_heads, groups * rows, dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    if mask is not None:
+        seen = mask.expand(batch, kv_heads, groups, rows, mask.shape[-1])
+        seen = seen.gather(-1, positions[:, :, None, None, :].expand(batch, kv_heads, groups, rows, -1))
+        scores = torch.add(seen.reshape(scores.shape), scores, alpha=problem.scaling)
+    else:
+        scores.mul_(problem.scaling)
+    if valid is not None:
+        scores.masked_fill_(~valid.unsqueeze(2), masked_below(scores.dtype))
+    return scores, index
+
+
+def skipping_attention(problem, summary: PageSummary, length: int, row_alpha, minimum: int):
+    """Output ``[B, Hkv, G q, D]`` of a decoding step (:class:`.blocks.Problem`, keys ``[0, length)``) from the
+    pages the certificate cannot exclude (module docstring), or None where the full step is the way: a row whose
+    first pages are all masked (no certificate), too many pages kept to pay, or the layer's last try kept too
+    many (then the next ``RETRY`` steps do not try: the bound is loose on keys whose channels vary within a page).
+    """
+    batch, kv_heads = problem.key.shape[:2]
+    full, pages = summary.pages * PAGE, summary.pages
+    COUNTS["calls"] += 1
+    COUNTS["pages"] += batch * kv_heads * pages
+    if summary.wait > 0:
+        summary.wait -= 1
+        return None
+    summary.wait = RETRY
+    masked = masked_below(problem.query.dtype)
+    bound = page_bounds(problem.query, summary, problem.mask, problem.scaling)
+    rank = bound.amax(2)
+    rank[..., 0] = rank[..., -1] = float("inf")  # the first page (a sink) and the most recent full one
+    first = rank.topk(min(FIRST_PAGES, pages), dim=-1, sorted=False).indices
+    scores, index = gather_pages(problem, first, full, length)
+    rows = scores.view(-1, scores.shape[-1])
+    shift = rows.amax(-1, keepdim=True)  # the solver's shift: the row's maximum
+    if bool((shift <= masked).any()):
+        return None
+    p, tau = compiled.weights(rows, masked, row_alpha, problem.threshold, minimum=minimum)
+    cut = shift + tau / (row_alpha - 1)
+    cut = cut - torch.finfo(cut.dtype).eps ** 0.5 * (1 + cut.abs())  # weight 0 at or below: certified
+    kept = (bound > cut.view(*bound.shape[:-1], 1)).any(2)  # [B, Hkv, pages]: some row may weigh the page
+    kept.scatter_(-1, first, True)
+    most, total = torch.stack([kept.sum(-1).max(), kept.sum()]).tolist()
+    if most > MAX_KEPT * pages:
+        return None
+    summary.wait = 0
+    COUNTS["skipped"] += batch * kv_heads * pages - total
+    if most != first.shape[-1]:  # pages beyond the first ones may count: solve them too
+        chosen = kept.to(torch.uint8).topk(most, dim=-1, sorted=False).indices
+        scores, index = gather_pages(problem, chosen, full, length, kept.gather(-1, chosen))
+        rows = scores.view(-1, scores.shape[-1])
+        p = compiled.weights(rows, masked, row_alpha, problem.threshold, minimum=minimum)[0]
+    return weighted_values(p.view(scores.shape), problem.value, index)
+
+
+def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """``p V`` (``p [B, Hkv, G q, m]``) over the rows of ``V`` some weight of their kv head is nonzero on.
+
+    ``index``: the rows of ``value.reshape(-1, D)`` the ``m`` columns of ``p`` weigh (``[B Hkv m]``), or None for
+    ``value [B, Hkv, m, D]`` itself (then from ``MIN_KEYS`` keys: at 512 the search for the support cost more
+    than it saved). Where at most ``GATHER_VALUES_BELOW`` of the columns carry weight (a kv
+    head's rows: 2 to 20 keys of 2048 for sparsemax on real text), only their value rows are read (the padding
+    of a head with fewer gathers weight 0); else one dense product.
+    """
+    batch, kv_heads, rows, keys = p.shape
+    dim = value.shape[-1]
+    if index is None and keys < MIN_KEYS:  # short rows: the dense product costs less than finding the support
+        return torch.matmul(p.to(value.dtype), value)
+    live = p.ne(0).any(2)  # [B, Hkv, m]
+    most = int(live.sum(-1).max())
+    if index is None and (most > GATHER_VALUES_BELOW * keys or not value.is_contiguous()):
+        return torch.matmul(p.to(value.dtype), value)
+    if index is None:
+        index = torch.arange(batch * kv_heads * keys, device=p.device)
+    if most <= GATHER_VALUES_BELOW * keys:
+        chosen = live.to(torch.uint8).topk(most, dim=-1, sorted=False).indices  # [B, Hkv, most]
+        p = p.gather(-1, chosen.unsqueeze(2).expand(batch, kv_heads, rows, most))
+        index = index.view(batch, kv_heads, keys).gather(-1, chosen)
+    values = value.reshape(-1, dim).index_select(0, index.flatten()).view(batch, kv_heads, -1, dim)
+    return torch.matmul(p.to(value.dtype), values)
