@@ -122,6 +122,22 @@ def live_keys(p: torch.Tensor) -> torch.Tensor:
     return p.reshape(-1, p.shape[-1]).amax(0).ne(0)
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def work_operands(query, key, value, mask):
+    """``(query, key, value, mask)`` in the kernels' work dtype: half-precision operands (float16, bfloat16) in
+    float32, so the scores, the threshold, the weights and ``P V`` are computed in float32 (as sdpa accumulates
+    a half model's attention) and only the output is rounded to the model's dtype. A half mask's masked entries
+    (at or below ``finfo(dtype).min``, the value transformers fills) become float32's, so they stay masked.
+    Differentiable (casts): gradients come back in the operands' own dtypes. Other dtypes pass unchanged."""
+    query, key, value = (t.float() if t.dtype in HALF else t for t in (query, key, value))
+    if mask is not None and mask.dtype in HALF:
+        masked = mask <= torch.finfo(mask.dtype).min
+        mask = mask.float().masked_fill(masked, torch.finfo(torch.float32).min)
+    return query, key, value, mask
+
+
 class Problem(NamedTuple):
     """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``."""
 
@@ -263,13 +279,13 @@ class ThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference):
-        problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
-                          threshold)
+        problem = grouped(*work_operands(query, key, value, mask), causal,
+                          alpha if alpha is not None else fixed_alpha, scaling, threshold)
         out, parts, states = forward_blocks(problem, block)
-        ctx.save_for_backward(query, key, value, mask, alpha)
+        ctx.save_for_backward(query, key, value, mask, alpha)  # as given (a half model's in half: no copies kept)
         ctx.parts, ctx.states, ctx.causal = parts, states, problem.causal
         ctx.fixed_alpha, ctx.scaling, ctx.threshold, ctx.reference = fixed_alpha, scaling, threshold, reference
-        return out.flatten(1, 2)
+        return out.flatten(1, 2).to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -284,13 +300,14 @@ class ThresholdAttention(torch.autograd.Function):
             found = [next(grads) if need else None for need in needs[:3] + needs[5:6]]
             return (*found[:3], None, None, found[3], None, None, None, None, None)
         alpha_grad = alpha is not None and needs[5]
-        problem = grouped(query, key, value, mask, ctx.causal, alpha if alpha is not None else ctx.fixed_alpha,
-                          ctx.scaling, ctx.threshold)
-        grad = grad_out.unflatten(1, problem.query.shape[1:3])
+        problem = grouped(*work_operands(query, key, value, mask), ctx.causal,
+                          alpha if alpha is not None else ctx.fixed_alpha, ctx.scaling, ctx.threshold)
+        grad = grad_out.to(problem.query.dtype).unflatten(1, problem.query.shape[1:3])
         d_query, d_key, d_value, d_alpha = backward_blocks(problem, ctx.parts, ctx.states, grad, alpha_grad)
         if d_alpha is not None:
             d_alpha = d_alpha.flatten(1, 2).to(alpha.dtype)
-        return d_query.flatten(1, 2), d_key, d_value, None, None, d_alpha, None, None, None, None, None
+        return (d_query.flatten(1, 2).to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype), None, None,
+                d_alpha, None, None, None, None, None)
 
 
 def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_alpha, scaling, threshold, block,
@@ -307,6 +324,6 @@ def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_a
     args = (query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, alpha)):
         return ThresholdAttention.apply(*args)
-    problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
-                      threshold)
-    return forward_blocks(problem, block, keep=False)[0].flatten(1, 2)
+    problem = grouped(*work_operands(query, key, value, mask), causal, alpha if alpha is not None else fixed_alpha,
+                      scaling, threshold)
+    return forward_blocks(problem, block, keep=False)[0].flatten(1, 2).to(query.dtype)

@@ -26,7 +26,7 @@ import torch
 
 from ..mappings import compiled
 from ..mappings._core import masked_below
-from .blocks import Block, block_scores, grouped
+from .blocks import Block, block_scores, grouped, work_operands
 
 MAX_QUERIES = 16  # query rows per sequence up to which a call counts as a decoding step
 MIN_SCORES = 4096  # scores of a call from which the compiled kernel solves them (fewer: the eager solver)
@@ -49,10 +49,10 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     """
     batch, heads, rows, dim = query.shape
     keys = key.shape[-2]
-    problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
+    problem = grouped(*work_operands(query, key, value, mask), False, alpha.detach() if alpha is not None else fixed_alpha,
                       scaling, threshold)
     scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
     p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
                             minimum=MIN_SCORES)
-    out = torch.matmul(p.view(scores.shape).to(value.dtype), value)  # [B, Hkv, G q, D]
+    out = torch.matmul(p.view(scores.shape), problem.value).to(value.dtype)  # [B, Hkv, G q, D]
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
