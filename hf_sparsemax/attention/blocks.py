@@ -54,6 +54,8 @@ ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, 
 MIN_BLOCK_QUERIES = 64  # ... unless that leaves fewer queries a block: every block reads all its keys and values
 GATHER_BELOW = 0.9  # a block whose queries weigh at most this share of its keys: its backward gathers them ...
 GATHER_WEIGHTS_BELOW = 0.5  # ... and at most this share: its P V too (copying the weights' live columns)
+COMPACT_MIN_ELEMENTS = 1 << 12  # candidate scores from which the compiled kernel solves them (fewer: eager)
+CANDIDATES_BELOW = 0.5  # a block whose candidate keys (candidate_keys) are at most this share: solved on them alone
 
 
 def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None) -> int:
@@ -201,16 +203,38 @@ def block_scores(problem: Problem, part: Block, keys: slice | torch.Tensor):
     batch, kv_heads, groups, _, dim = query.shape
     rows = part.stop - part.start
     q_block = query[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
-    scores = torch.matmul(q_block, key[..., keys, :].transpose(-1, -2))
-    grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
     if problem.mask is not None:
+        scores = torch.matmul(q_block, key[..., keys, :].transpose(-1, -2))
+        grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
         torch.add(problem.mask[..., part.start : part.stop, keys], grouped_scores, alpha=problem.scaling,
                   out=grouped_scores)
-    else:
-        scores.mul_(problem.scaling)
-        if problem.causal:
-            grouped_scores.add_(causal_mask(part.start, part.stop, keys, scores.dtype, scores.device))
+        return scores, q_block, block_alpha(problem, part, scores.dtype)
+    scores = torch.matmul(q_block * problem.scaling, key[..., keys, :].transpose(-1, -2))  # scaled: rows x D
+    grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
+    if problem.causal and isinstance(keys, slice) and keys.start <= part.start:  # the past is seen by every query:
+        if keys.stop > part.start:  # only keys from the block's first query on can lie in some query's future
+            future = grouped_scores[..., part.start - keys.start :]
+            future.add_(causal_mask(part.start, part.stop, slice(part.start, keys.stop), scores.dtype, scores.device))
+    elif problem.causal:
+        grouped_scores.add_(causal_mask(part.start, part.stop, keys, scores.dtype, scores.device))
     return scores, q_block, block_alpha(problem, part, scores.dtype)
+
+
+def candidate_keys(scores: torch.Tensor, alpha: float | torch.Tensor, masked: float) -> torch.Tensor | None:
+    """The keys (indices into the last dimension of ``scores [..., rows, n]``) that some row may weigh, or None
+    where they are more than ``CANDIDATES_BELOW`` of them (then the whole block is solved).
+
+    alpha-entmax's largest weight is at most 1, so ``tau >= -1`` and a key with ``s <= max s - 1 / (alpha - 1)``
+    gets weight exactly 0 (THEORY.md, "Exact KV skipping"; sparsemax: 1 below the row's maximum). The threshold
+    over the candidates is the threshold over the whole row (the others add 0 to every sum the solver forms),
+    so solving them alone is exact (:func:`.compiled.candidates`: one compiled kernel from ``MIN_ELEMENTS``
+    scores; the bound loosened by 1% for rounding; masked keys add none, a NaN every key: NaN stays NaN)."""
+    rows = scores.view(-1, scores.shape[-1])
+    wanted = compiled.run(compiled.candidates, rows, masked, alpha=alpha) if compiled.applies(rows) else None
+    if wanted is None:
+        wanted = compiled.candidates(rows, masked, alpha)
+    index = wanted.nonzero().squeeze(1)
+    return index if index.numel() <= CANDIDATES_BELOW * rows.shape[-1] else None
 
 
 def forward_blocks(problem: Problem, block: int, keep: bool = True):
@@ -226,16 +250,24 @@ def forward_blocks(problem: Problem, block: int, keep: bool = True):
             states.append(None)
             continue
         scores, _, alpha = block_scores(problem, part, part.keys())
+        index = candidate_keys(scores, alpha, masked_below(scores.dtype))
+        if index is not None:  # solve and map over the candidates alone: the other keys' weights are exactly 0
+            scores = scores.index_select(-1, index)
         p, tau = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
-                                  problem.threshold)
+                                  problem.threshold, minimum=None if index is None else COMPACT_MIN_ELEMENTS)
         p = p.view(scores.shape)
         del scores
         states.append(tau)
-        live, keys = live_keys(p), slice(part.low, part.high)  # the others' weights are exactly 0
+        live = live_keys(p)  # the others' weights are exactly 0
+        if index is not None:
+            live, keys = torch.zeros(part.high - part.low, dtype=torch.bool, device=p.device).index_fill_(
+                0, index[live], True), index + part.low
+        else:
+            keys = slice(part.low, part.high)
         used = int(live.sum())
         if keep and used <= GATHER_BELOW * live.numel():
             part = part._replace(live=pack_bits(live))
-        if used <= GATHER_WEIGHTS_BELOW * live.numel():
+        if index is None and used <= GATHER_WEIGHTS_BELOW * live.numel():
             index = live.nonzero().squeeze(1)
             p, keys = p.index_select(-1, index), index + part.low
         parts.append(part)

@@ -81,6 +81,15 @@ def solve_and_map(rows, masked: float, alpha, steps: int | None = None):
     return p, found.shift, found.tau, found.done
 
 
+def candidates(rows, masked: float, alpha):
+    """``[n]``: whether some row of ``rows [rows, n]`` may give the key a nonzero weight, ``s > max s - 1.01 /
+    (alpha - 1)`` (alpha-entmax's largest weight is at most 1, so ``tau >= -1``; 1% for rounding); masked keys
+    and rows that see nothing give none, a NaN gives every key (one row pass and one column pass when compiled)."""
+    alpha = named(alpha)
+    floor = (rows.amax(-1, keepdim=True) - 1.01 / (alpha - 1)).clamp_min(masked)
+    return (rows - floor).amax(0).le(0).logical_not()
+
+
 @functools.lru_cache(maxsize=None)
 def solve_and_map_in(steps: int | None) -> Callable:
     """:func:`solve_and_map` with ``steps`` passes: one function, so one compiled graph, per count."""
