@@ -35,7 +35,9 @@ over those alone (at most ``GATHER_BELOW`` of the keys live; else the whole
 range), and the forward's ``P V`` does the same at most
 ``GATHER_WEIGHTS_BELOW`` live (it copies the weights' live columns). A row's
 maximum always has a nonzero weight, so its shift is found again from the
-live keys. Grouped-query heads share their key
+live keys. Before that, each block is solved over its candidate keys alone where they are few
+(:func:`candidate_keys`: a key ``1 / (alpha - 1)`` below every row's maximum has weight exactly 0), and half-
+precision operands are computed in float32 (:func:`work_operands`). Grouped-query heads share their key
 and value head without copies. A double backward (``create_graph=True``)
 recomputes the blocks through the mapping's own differentiable Function, so
 second derivatives stay exact.

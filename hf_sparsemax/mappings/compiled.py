@@ -17,7 +17,7 @@ not possible (no C++ compiler: one warning) or when the environment variable
 ``torch.compile`` themselves.
 
 Two callers: the memory-bounded attention (:func:`weights`, :func:`weights_vjp`
-on each block of scores) and the mapping functions ``sparsemax``, ``entmax15``
+on each block of scores, and :func:`candidates`, the keys a block's solve needs) and the mapping functions ``sparsemax``, ``entmax15``
 and ``entmax_bisect`` on attention-sized rows (:func:`mapping`,
 :func:`mapping_vjp`: the last dimension, at most ``SHORT_ROWS`` wide; wider
 rows, such as a vocabulary, are solved faster on their top candidates).
