@@ -35,7 +35,9 @@ over those alone (at most ``GATHER_BELOW`` of the keys live; else the whole
 range), and the forward's ``P V`` does the same at most
 ``GATHER_WEIGHTS_BELOW`` live (it copies the weights' live columns). A row's
 maximum always has a nonzero weight, so its shift is found again from the
-live keys. Grouped-query heads share their key
+live keys. Before that, each block is solved over its candidate keys alone where they are few
+(:func:`candidate_keys`: a key ``1 / (alpha - 1)`` below every row's maximum has weight exactly 0), and half-
+precision operands are computed in float32 (:func:`work_operands`). Grouped-query heads share their key
 and value head without copies. A double backward (``create_graph=True``)
 recomputes the blocks through the mapping's own differentiable Function, so
 second derivatives stay exact.
@@ -55,6 +57,8 @@ DEVICE_ATTENTION_BUDGET = 1 << 26  # ... on an accelerator (256 MiB in float32),
 MIN_BLOCK_QUERIES = 64  # ... unless that leaves fewer queries a block: every block reads all its keys and values
 GATHER_BELOW = 0.9  # a block whose queries weigh at most this share of its keys: its backward gathers them ...
 GATHER_WEIGHTS_BELOW = 0.5  # ... and at most this share: its P V too (copying the weights' live columns)
+COMPACT_MIN_ELEMENTS = 1 << 12  # candidate scores from which the compiled kernel solves them (fewer: eager)
+CANDIDATES_BELOW = 0.5  # a block whose candidate keys (candidate_keys) are at most this share: solved on them alone
 
 
 def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int | None = None,
@@ -130,6 +134,22 @@ def live_keys(p: torch.Tensor) -> torch.Tensor:
     return p.reshape(-1, p.shape[-1]).amax(0).ne(0)
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def work_operands(query, key, value, mask):
+    """``(query, key, value, mask)`` in the kernels' work dtype: half-precision operands (float16, bfloat16) in
+    float32, so the scores, the threshold, the weights and ``P V`` are computed in float32 (as sdpa accumulates
+    a half model's attention) and only the output is rounded to the model's dtype. A half mask's masked entries
+    (at or below ``finfo(dtype).min``, the value transformers fills) become float32's, so they stay masked.
+    Differentiable (casts): gradients come back in the operands' own dtypes. Other dtypes pass unchanged."""
+    query, key, value = (t.float() if t.dtype in HALF else t for t in (query, key, value))
+    if mask is not None and mask.dtype in HALF:
+        masked = mask <= torch.finfo(mask.dtype).min
+        mask = mask.float().masked_fill(masked, torch.finfo(torch.float32).min)
+    return query, key, value, mask
+
+
 class Problem(NamedTuple):
     """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``."""
 
@@ -193,16 +213,38 @@ def block_scores(problem: Problem, part: Block, keys: slice | torch.Tensor):
     batch, kv_heads, groups, _, dim = query.shape
     rows = part.stop - part.start
     q_block = query[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
-    scores = torch.matmul(q_block, key[..., keys, :].transpose(-1, -2))
-    grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
     if problem.mask is not None:
+        scores = torch.matmul(q_block, key[..., keys, :].transpose(-1, -2))
+        grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
         torch.add(problem.mask[..., part.start : part.stop, keys], grouped_scores, alpha=problem.scaling,
                   out=grouped_scores)
-    else:
-        scores.mul_(problem.scaling)
-        if problem.causal:
-            grouped_scores.add_(causal_mask(part.start, part.stop, keys, scores.dtype, scores.device))
+        return scores, q_block, block_alpha(problem, part, scores.dtype)
+    scores = torch.matmul(q_block * problem.scaling, key[..., keys, :].transpose(-1, -2))  # scaled: rows x D
+    grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
+    if problem.causal and isinstance(keys, slice) and keys.start <= part.start:  # the past is seen by every query:
+        if keys.stop > part.start:  # only keys from the block's first query on can lie in some query's future
+            future = grouped_scores[..., part.start - keys.start :]
+            future.add_(causal_mask(part.start, part.stop, slice(part.start, keys.stop), scores.dtype, scores.device))
+    elif problem.causal:
+        grouped_scores.add_(causal_mask(part.start, part.stop, keys, scores.dtype, scores.device))
     return scores, q_block, block_alpha(problem, part, scores.dtype)
+
+
+def candidate_keys(scores: torch.Tensor, alpha: float | torch.Tensor, masked: float) -> torch.Tensor | None:
+    """The keys (indices into the last dimension of ``scores [..., rows, n]``) that some row may weigh, or None
+    where they are more than ``CANDIDATES_BELOW`` of them (then the whole block is solved).
+
+    alpha-entmax's largest weight is at most 1, so ``tau >= -1`` and a key with ``s <= max s - 1 / (alpha - 1)``
+    gets weight exactly 0 (THEORY.md, "Exact KV skipping"; sparsemax: 1 below the row's maximum). The threshold
+    over the candidates is the threshold over the whole row (the others add 0 to every sum the solver forms),
+    so solving them alone is exact (:func:`.compiled.candidates`: one compiled kernel from ``MIN_ELEMENTS``
+    scores; the bound loosened by 1% for rounding; masked keys add none, a NaN every key: NaN stays NaN)."""
+    rows = scores.view(-1, scores.shape[-1])
+    wanted = compiled.run(compiled.candidates, rows, masked, alpha=alpha) if compiled.applies(rows) else None
+    if wanted is None:
+        wanted = compiled.candidates(rows, masked, alpha)
+    index = wanted.nonzero().squeeze(1)
+    return index if index.numel() <= CANDIDATES_BELOW * rows.shape[-1] else None
 
 
 def forward_blocks(problem: Problem, block: int, keep: bool = True):
@@ -218,16 +260,25 @@ def forward_blocks(problem: Problem, block: int, keep: bool = True):
             states.append(None)
             continue
         scores, _, alpha = block_scores(problem, part, part.keys())
+        index = None if keep else candidate_keys(scores, alpha, masked_below(scores.dtype))  # inference only:
+        # in training the extra passes cost more than they save on average (measured on SmolLM2 at 1024 tokens)
+        if index is not None:  # solve and map over the candidates alone: the other keys' weights are exactly 0
+            scores = scores.index_select(-1, index)
         p, tau = compiled.weights(scores.view(-1, scores.shape[-1]), masked_below(scores.dtype), alpha,
-                                  problem.threshold)
+                                  problem.threshold, minimum=None if index is None else COMPACT_MIN_ELEMENTS)
         p = p.view(scores.shape)
         del scores
         states.append(tau)
-        live, keys = live_keys(p), slice(part.low, part.high)  # the others' weights are exactly 0
+        live = live_keys(p)  # the others' weights are exactly 0
+        if index is not None:
+            live, keys = torch.zeros(part.high - part.low, dtype=torch.bool, device=p.device).index_fill_(
+                0, index[live], True), index + part.low
+        else:
+            keys = slice(part.low, part.high)
         used = int(live.sum())
         if keep and used <= GATHER_BELOW * live.numel():
             part = part._replace(live=pack_bits(live))
-        if used <= GATHER_WEIGHTS_BELOW * live.numel():
+        if index is None and used <= GATHER_WEIGHTS_BELOW * live.numel():
             index = live.nonzero().squeeze(1)
             p, keys = p.index_select(-1, index), index + part.low
         parts.append(part)
@@ -271,13 +322,13 @@ class ThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference):
-        problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
-                          threshold)
+        problem = grouped(*work_operands(query, key, value, mask), causal,
+                          alpha if alpha is not None else fixed_alpha, scaling, threshold)
         out, parts, states = forward_blocks(problem, block)
-        ctx.save_for_backward(query, key, value, mask, alpha)
+        ctx.save_for_backward(query, key, value, mask, alpha)  # as given (a half model's in half: no copies kept)
         ctx.parts, ctx.states, ctx.causal = parts, states, problem.causal
         ctx.fixed_alpha, ctx.scaling, ctx.threshold, ctx.reference = fixed_alpha, scaling, threshold, reference
-        return out.flatten(1, 2)
+        return out.flatten(1, 2).to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -292,13 +343,14 @@ class ThresholdAttention(torch.autograd.Function):
             found = [next(grads) if need else None for need in needs[:3] + needs[5:6]]
             return (*found[:3], None, None, found[3], None, None, None, None, None)
         alpha_grad = alpha is not None and needs[5]
-        problem = grouped(query, key, value, mask, ctx.causal, alpha if alpha is not None else ctx.fixed_alpha,
-                          ctx.scaling, ctx.threshold)
-        grad = grad_out.unflatten(1, problem.query.shape[1:3])
+        problem = grouped(*work_operands(query, key, value, mask), ctx.causal,
+                          alpha if alpha is not None else ctx.fixed_alpha, ctx.scaling, ctx.threshold)
+        grad = grad_out.to(problem.query.dtype).unflatten(1, problem.query.shape[1:3])
         d_query, d_key, d_value, d_alpha = backward_blocks(problem, ctx.parts, ctx.states, grad, alpha_grad)
         if d_alpha is not None:
             d_alpha = d_alpha.flatten(1, 2).to(alpha.dtype)
-        return d_query.flatten(1, 2), d_key, d_value, None, None, d_alpha, None, None, None, None, None
+        return (d_query.flatten(1, 2).to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype), None, None,
+                d_alpha, None, None, None, None, None)
 
 
 def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_alpha, scaling, threshold, block,
@@ -315,6 +367,6 @@ def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_a
     args = (query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, alpha)):
         return ThresholdAttention.apply(*args)
-    problem = grouped(query, key, value, mask, causal, alpha if alpha is not None else fixed_alpha, scaling,
-                      threshold)
-    return forward_blocks(problem, block, keep=False)[0].flatten(1, 2)
+    problem = grouped(*work_operands(query, key, value, mask), causal, alpha if alpha is not None else fixed_alpha,
+                      scaling, threshold)
+    return forward_blocks(problem, block, keep=False)[0].flatten(1, 2).to(query.dtype)

@@ -26,7 +26,7 @@ import torch
 
 from ..mappings import compiled
 from ..mappings._core import masked_below
-from .blocks import Block, block_alpha, block_scores, grouped
+from .blocks import Block, block_alpha, block_scores, grouped, work_operands
 from .pages import skipping_attention, weighted_values
 
 MAX_QUERIES = 16  # query rows per sequence up to which a call counts as a decoding step
@@ -53,16 +53,16 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     """
     batch, heads, rows, dim = query.shape
     keys = key.shape[-2]
-    problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
+    problem = grouped(*work_operands(query, key, value, mask), False, alpha.detach() if alpha is not None else fixed_alpha,
                       scaling, threshold)
     if pages is not None:
-        row_alpha = block_alpha(problem, Block(0, rows, 0, keys), query.dtype)
+        row_alpha = block_alpha(problem, Block(0, rows, 0, keys), problem.query.dtype)
         out = skipping_attention(problem, *pages, row_alpha, MIN_SCORES)
         if out is not None:
-            return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
+            return out.to(value.dtype).view(batch, heads, rows, dim).transpose(1, 2).contiguous()
     scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
     p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
                             minimum=MIN_SCORES)
-    out = weighted_values(p.view(scores.shape), value)  # [B, Hkv, G q, D]
+    out = weighted_values(p.view(scores.shape), problem.value).to(value.dtype)  # [B, Hkv, G q, D]
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
 

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import block_queries, causal_mask, threshold_attention
+from .blocks import block_queries, causal_mask, threshold_attention, work_operands
 from . import pages
 from .decode import decode_attention, decoding_step
 from ..mappings import registry
@@ -314,13 +314,15 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
     """The arguments of :func:`.attention_blocks.threshold_attention` for this call, or None where it does not apply.
 
     It applies to the threshold mappings (registry entries with a ``threshold``: sparsemax, entmax15,
-    entmax_bisect with every alpha in [1.125, 2], fixed or learned) in float32 / float64, in eager mode, without
+    entmax_bisect with every alpha in [1.125, 2], fixed or learned) in float32 / float64, and in bfloat16 /
+    float16 computed in float32 (:func:`.attention_blocks.work_operands`), in eager mode, without
     dropout in training, softcapping, a position bias or attention sinks; the other calls take
     :func:`attend` (query chunks recomputed in backward when the weights exceed the budget).
     """
     entry = registry.REGISTRY[mapping]
     if (entry.threshold is None or torch.compiler.is_compiling() or softcap is not None or position_bias is not None
-            or sinks is not None or (dropout and module.training) or query.dtype not in (torch.float32, torch.float64)
+            or sinks is not None or (dropout and module.training)
+            or query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
             or not (query.dtype == key.dtype == value.dtype) or (mask is not None and mask.requires_grad)):
         return None
     options = getattr(module, OPTIONS_ATTR, None)
@@ -334,12 +336,14 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
         return None  # the mapping computes such alphas in float64: the materialised path does so
 
     def reference(query, key, value, mask, alpha):  # the differentiable path, for a double backward
+        dtype = query.dtype
+        query, key, value, mask = work_operands(query, key, value, mask)  # half precision: in float32, as the kernels
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         scores = scores if mask is None else scores + mask
         options = dict(values, **({"alpha": alpha} if alpha is not None else {}))
-        return torch.matmul(entry.function(scores, dim=-1, **options).to(value.dtype), value)
+        return torch.matmul(entry.function(scores, dim=-1, **options).to(value.dtype), value).to(dtype)
 
     return dict(alpha=alpha, fixed_alpha=fixed_alpha, threshold=entry.threshold, reference=reference)
 

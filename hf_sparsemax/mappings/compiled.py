@@ -17,7 +17,7 @@ not possible (no C++ compiler: one warning) or when the environment variable
 ``torch.compile`` themselves.
 
 Two callers: the memory-bounded attention (:func:`weights`, :func:`weights_vjp`
-on each block of scores) and the mapping functions ``sparsemax``, ``entmax15``
+on each block of scores, and :func:`candidates`, the keys a block's solve needs) and the mapping functions ``sparsemax``, ``entmax15``
 and ``entmax_bisect`` on attention-sized rows (:func:`mapping`,
 :func:`mapping_vjp`: the last dimension, at most ``SHORT_ROWS`` wide; wider
 rows, such as a vocabulary, are solved faster on their top candidates).
@@ -79,6 +79,15 @@ def solve_and_map(rows, masked: float, alpha, steps: int | None = None):
     found = newton_certified(rows, alpha, masked, steps)
     p = map_rows(rows, found.shift, found.tau, alpha) if found.weights is None else found.weights
     return p, found.shift, found.tau, found.done
+
+
+def candidates(rows, masked: float, alpha):
+    """``[n]``: whether some row of ``rows [rows, n]`` may give the key a nonzero weight, ``s > max s - 1.01 /
+    (alpha - 1)`` (alpha-entmax's largest weight is at most 1, so ``tau >= -1``; 1% for rounding); masked keys
+    and rows that see nothing give none, a NaN gives every key (one row pass and one column pass when compiled)."""
+    alpha = named(alpha)
+    floor = (rows.amax(-1, keepdim=True) - 1.01 / (alpha - 1)).clamp_min(masked)
+    return (rows - floor).amax(0).le(0).logical_not()
 
 
 @functools.lru_cache(maxsize=None)
