@@ -214,3 +214,20 @@ def test_greedy_generate_on_the_pretrained_model_is_the_same_with_skipping(attn,
         if flag == "1":
             assert pages.COUNTS["skipped"] > 0
     assert torch.equal(runs["1"], runs["0"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("setup", ["sparsemax", "learned"])
+def test_a_half_precision_cache_skips_exactly(setup, dtype):
+    """A half model's cache: its page summary is kept in the cache's dtype, the step computes in float32
+    (:func:`~hf_sparsemax.attention.blocks.work_operands`); the output equals the full step's, pages skipped."""
+    keys = PAGE * 12 + 5
+    q = (torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2).to(dtype)
+    k, v = (t.to(dtype) for t in paged_keys(B, keys, seed=11))
+    mask = masks(B, 1, keys)["left padding"].to(dtype).clamp_min(torch.finfo(dtype).min)
+    module, attn = module_for(setup, torch.float32)
+    module.eval()
+    cache, keys_, values = cached(k, v)
+    out = attend(module, attn, q, cache, keys_, values, mask)
+    assert out.dtype == dtype and pages.COUNTS["skipped"] > 0.25 * pages.COUNTS["pages"]
+    torch.testing.assert_close(out, full_step(module, attn, q, keys_, values, mask), rtol=0, atol=0)

@@ -169,8 +169,9 @@ def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float)
     (``query [B, Hkv, G, q, D]``; ``mask`` additive ``[B | 1, Hkv | 1, G | 1, q, kv]`` or None)."""
     batch, kv_heads, groups, rows, dim = query.shape
     q = query.reshape(batch, kv_heads, groups * rows, dim)
-    bound = torch.matmul(q.clamp_min(0), summary.maxs.transpose(-1, -2))
-    bound.add_(torch.matmul(q.clamp_max(0), summary.mins.transpose(-1, -2))).mul_(scaling)
+    maxs, mins = summary.maxs.to(q.dtype), summary.mins.to(q.dtype)  # a half cache's keys: exact in float32
+    bound = torch.matmul(q.clamp_min(0), maxs.transpose(-1, -2))
+    bound.add_(torch.matmul(q.clamp_max(0), mins.transpose(-1, -2))).mul_(scaling)
     if mask is not None:
         pages = summary.pages
         worst = mask[..., : pages * PAGE].unflatten(-1, (pages, PAGE)).amax(-1)
