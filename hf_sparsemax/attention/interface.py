@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import block_queries, causal_mask, threshold_attention, work_operands
-from . import pages
+from .pages import page_summary, take_layer
 from .decode import decode_attention, decoding_step
 from ..mappings import registry
 from ..mappings.entmax import precise_in_float32
@@ -222,7 +222,7 @@ def sparse_attention_forward(
     (:func:`weights_requested`) or materialised anyway (a single block off the threshold path).
     """
     check_kwargs(kwargs, mapping)
-    layer = pages.take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
+    layer = take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -244,7 +244,7 @@ def sparse_attention_forward(
     if step and decoding_step(query, key, blocked["alpha"], causal):
         out = decode_attention(query, key, value, attention_mask, scaling=scaling, alpha=blocked["alpha"],
                                fixed_alpha=blocked["fixed_alpha"], threshold=blocked["threshold"],
-                               pages=pages.page_summary(layer, key, value, attention_mask))
+                               pages=page_summary(layer, key, value, attention_mask))
         return out, None
     if blocked is not None:
         out = threshold_attention(query, key, value, attention_mask, causal=causal, scaling=scaling,
