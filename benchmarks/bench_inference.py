@@ -6,8 +6,10 @@ process (one model, the same prompt); the contenders run back to back, ``--round
 number is the median over rounds. Per context (``--contexts``) and batch (``--batches``; batches > 1 are
 left-padded, row ``i`` shorter by ``i * 8`` tokens):
 
-- prefill: one forward over the prompt under ``torch.no_grad()`` with a fresh ``DynamicCache`` (median of
-  ``--prefills`` calls after a warm-up forward at 256 tokens and two decoding steps);
+- prefill: one forward over the prompt under ``torch.no_grad()`` with a fresh cache (median of
+  ``--prefills`` calls after a warm-up forward at 256 tokens and two decoding steps): a ``DynamicCache``, or with
+  ``--cache static`` a ``StaticCache`` of the prompt's length plus ``--tokens`` (every step then attends over the
+  whole static length, its unfilled slots masked, as ``generate(cache_implementation="static")`` does);
 - decode: from that cache, ``--tokens`` greedy steps of one token each (the model's forward with the cache, as
   ``generate`` calls it); the median step.
 
@@ -21,6 +23,7 @@ share of the pages of its decoding steps whose keys and values it never read.
     PYTHONPATH=. python benchmarks/bench_inference.py --contexts 8192 --rounds 1 --prefills 1
     PYTHONPATH=. python benchmarks/bench_inference.py --batches 8 --contexts 512
     PYTHONPATH=. python benchmarks/bench_inference.py --threads 1 --clock cpu   # on a shared, loaded machine
+    PYTHONPATH=. python benchmarks/bench_inference.py --cache static            # transformers' StaticCache
     PYTHONPATH=. python benchmarks/bench_inference.py --device cuda --dtype bfloat16 --contexts 2048 8192
 """
 
@@ -71,13 +74,21 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp_min(0)
 
 
+def new_cache(model, kind: str, length: int):
+    """A fresh cache for ``length`` tokens: transformers' ``DynamicCache`` or ``StaticCache``."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=length)
+    return DynamicCache(config=model.config)
+
+
 def measure(name: str, contexts: list[int], batches: list[int], prefills: int, tokens: int, dtype: str,
-            clock, device: str = "cpu") -> dict:
+            clock, device: str = "cpu", cache_kind: str = "dynamic") -> dict:
     """The child process: prefill and decode milliseconds for each (context, batch) of one contender."""
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
     from hf_sparsemax.attention import pages
-    from transformers import DynamicCache
 
     attention, options = CONTENDERS[name][:2]
     model, tokenizer = load_smollm2(dtype=getattr(torch, dtype))
@@ -89,8 +100,8 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
         for batch in batches:  # compiles the kernels (prefill blocks, decoding steps) before anything is timed
             warm_ids, warm_mask = (t.to(device) for t in prompt(tokenizer, WARMUP_TOKENS, batch))
             full = bool(warm_mask.all())
-            out = model(input_ids=warm_ids, attention_mask=None if full else warm_mask,
-                        position_ids=positions(warm_mask), past_key_values=DynamicCache(config=model.config))
+            out = model(input_ids=warm_ids, attention_mask=None if full else warm_mask, position_ids=positions(warm_mask),
+                        past_key_values=new_cache(model, cache_kind, WARMUP_TOKENS + 2))
             for _ in range(2):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 warm_mask = torch.cat([warm_mask, torch.ones_like(nxt)], dim=-1)
@@ -102,7 +113,7 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
                 full = bool(mask.all())
                 times = []
                 for _ in range(prefills):
-                    cache = DynamicCache(config=model.config)
+                    cache = new_cache(model, cache_kind, context + tokens)
                     start = clock()
                     out = model(input_ids=ids, attention_mask=None if full else mask, position_ids=positions(mask),
                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -153,6 +164,8 @@ def main() -> None:
                         help="wall: elapsed time; cpu: the process's CPU time (with --threads 1, what a shared, "
                              "loaded machine still measures fairly: time spent waiting for a core is not counted)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the wall clock, synchronised)")
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                        help="transformers' KV cache: DynamicCache, or StaticCache of the prompt plus --tokens")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -161,7 +174,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             clock = synchronised(time.perf_counter)
         print(json.dumps(measure(args.child, args.contexts, args.batches, args.prefills, args.tokens, args.dtype,
-                                 clock, args.device)))
+                                 clock, args.device, args.cache)))
         return
     if "sdpa" not in args.contenders:
         args.contenders = ["sdpa", *args.contenders]
@@ -172,7 +185,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", name, "--contexts", *map(str, args.contexts),
                        "--batches", *map(str, args.batches), "--prefills", str(args.prefills),
                        "--tokens", str(args.tokens), "--dtype", args.dtype, "--threads", str(args.threads),
-                       "--clock", args.clock, "--device", args.device]
+                       "--clock", args.clock, "--device", args.device, "--cache", args.cache]
             done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
             if done.returncode:
                 raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
@@ -180,7 +193,7 @@ def main() -> None:
             loads.append(load())
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
              else f"{args.threads} threads, {args.clock} clock")
-    print(f"SmolLM2-135M-Instruct ({args.dtype}), fortunes text, {where}; medians of "
+    print(f"SmolLM2-135M-Instruct ({args.dtype}, {args.cache} cache), fortunes text, {where}; medians of "
           f"{args.rounds} rounds ({args.prefills} prefills, {args.tokens} decode steps each); load average "
           f"{loads[0]} at start, {loads[-1]} at end\n")
     print("| context | batch | step | sdpa | " + " | ".join(n for n in args.contenders if n != "sdpa") + " |")

@@ -111,6 +111,35 @@ def test_half_decoding_steps_are_the_float32_computation_rounded(setup, dtype, c
             assert (out[2, 0] == 0).all()
 
 
+class Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The storage and element count of each tensor cast to another dtype while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.sizes.append((args[0].data_ptr(), args[0].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("setup", ["sparsemax", "learned"])
+def test_a_half_decoding_step_casts_only_the_value_rows_it_weighs(setup, dtype, decoding_calls):
+    """The cache stays half: no float32 copy of the whole value cache per step, only of the rows with weight
+    (sharp scores: a few keys a head), and the output is still the float32 computation rounded."""
+    q, k, v = (t.to(dtype) for t in decode_inputs(1))
+    mask = decode_masks(1)["left padding"]
+    module, attn = module_for(setup)
+    module.eval()
+    with torch.no_grad(), Casts() as casts:
+        out, _ = sparse_attention_forward(module, q, k, v, half_mask(mask, dtype), scaling=3.0, mapping=attn)
+    reference = materialised(module, setup, q.float(), k.float(), v.float(), mask, 3.0)
+    assert decoding_calls == [1] and casts.sizes and (v.data_ptr(), v.numel()) not in casts.sizes
+    torch.testing.assert_close(out, reference.to(dtype), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_half_no_grad_prefill_equals_the_recorded_forward(dtype, monkeypatch):
     small_blocks(monkeypatch, 100)

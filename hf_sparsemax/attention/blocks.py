@@ -142,8 +142,9 @@ def work_operands(query, key, value, mask):
     float32, so the scores, the threshold, the weights and ``P V`` are computed in float32 (as sdpa accumulates
     a half model's attention) and only the output is rounded to the model's dtype. A half mask's masked entries
     (at or below ``finfo(dtype).min``, the value transformers fills) become float32's, so they stay masked.
-    Differentiable (casts): gradients come back in the operands' own dtypes. Other dtypes pass unchanged."""
-    query, key, value = (t.float() if t.dtype in HALF else t for t in (query, key, value))
+    Differentiable (casts): gradients come back in the operands' own dtypes. Other dtypes pass unchanged, and so
+    does an operand given as None (a decoding step leaves the half cache as it is: :mod:`.decode`)."""
+    query, key, value = (t.float() if t is not None and t.dtype in HALF else t for t in (query, key, value))
     if mask is not None and mask.dtype in HALF:
         masked = mask <= torch.finfo(mask.dtype).min
         mask = mask.float().masked_fill(masked, torch.finfo(torch.float32).min)
@@ -151,7 +152,8 @@ def work_operands(query, key, value, mask):
 
 
 class Problem(NamedTuple):
-    """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``."""
+    """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``
+    (a decoding step's key and value may stay in a half dtype: the rows it reads are cast, :func:`block_scores`)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -213,13 +215,14 @@ def block_scores(problem: Problem, part: Block, keys: slice | torch.Tensor):
     batch, kv_heads, groups, _, dim = query.shape
     rows = part.stop - part.start
     q_block = query[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
+    key = key[..., keys, :].to(query.dtype)  # a half cache's keys (decoding): exact in float32
     if problem.mask is not None:
-        scores = torch.matmul(q_block, key[..., keys, :].transpose(-1, -2))
+        scores = torch.matmul(q_block, key.transpose(-1, -2))
         grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
         torch.add(problem.mask[..., part.start : part.stop, keys], grouped_scores, alpha=problem.scaling,
                   out=grouped_scores)
         return scores, q_block, block_alpha(problem, part, scores.dtype)
-    scores = torch.matmul(q_block * problem.scaling, key[..., keys, :].transpose(-1, -2))  # scaled: rows x D
+    scores = torch.matmul(q_block * problem.scaling, key.transpose(-1, -2))  # scaled: rows x D
     grouped_scores = scores.view(batch, kv_heads, groups, rows, -1)
     if problem.causal and isinstance(keys, slice) and keys.start <= part.start:  # the past is seen by every query:
         if keys.stop > part.start:  # only keys from the block's first query on can lie in some query's future

@@ -12,8 +12,10 @@ is one product, the compiled row kernel from ``MIN_SCORES`` scores (9 heads at 4
 eager solver) (:func:`hf_sparsemax.mappings.compiled.weights`: the same
 graph as the blocked path's, its rows not certified by the fixed Newton passes solved again by the eager exact
 solver, so ``tau`` is the exact threshold) and one product. The scores and weights ``[B, Hkv, G q, kv]`` are
-the only temporaries of that size. Masked keys (left padding, a window, unfilled slots of a static cache) get
-weight exactly 0, as everywhere.
+the only temporaries of that size. Under a half-precision model the cache is not copied to float32: the keys are
+cast where they are scored (each scored key, exact in float32) and only the value rows with weight are read and
+cast (:func:`.pages.weighted_values`), so the scores, weights and ``P V`` are float32 computations. Masked keys
+(left padding, a window, unfilled slots of a static cache) get weight exactly 0, as everywhere.
 
 It applies where :func:`decoding_step` says: no gradient wanted, at most ``MAX_QUERIES`` query rows, and no causal
 mask left to the attention (one query row sees every cached key; transformers passes a mask where a step of
@@ -53,7 +55,8 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     """
     batch, heads, rows, dim = query.shape
     keys = key.shape[-2]
-    problem = grouped(*work_operands(query, key, value, mask), False, alpha.detach() if alpha is not None else fixed_alpha,
+    query, _, _, mask = work_operands(query, None, None, mask)  # a half cache stays as it is: rows read are cast
+    problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
                       scaling, threshold)
     if pages is not None:
         row_alpha = block_alpha(problem, Block(0, rows, 0, keys), problem.query.dtype)

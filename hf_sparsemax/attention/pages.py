@@ -195,7 +195,7 @@ def gather_pages(problem, pages: torch.Tensor, full: int, length: int, valid: to
             valid = torch.cat([valid, valid.new_ones(tail.shape)], dim=-1)
     starts = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1) * key.shape[-2]
     index = (positions + starts).flatten()
-    keys = key.reshape(-1, dim).index_select(0, index).view(batch, kv_heads, -1, dim)
+    keys = key.reshape(-1, dim).index_select(0, index).view(batch, kv_heads, -1, dim).to(query.dtype)  # half: exact
     q = query.reshape(batch, kv_heads, groups * rows, dim)
     scores = torch.matmul(q, keys.transpose(-1, -2))
     if mask is not None:
@@ -252,22 +252,26 @@ def skipping_attention(problem, summary: PageSummary, length: int, row_alpha, mi
 
 
 def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-    """``p V`` (``p [B, Hkv, G q, m]``) over the rows of ``V`` some weight of their kv head is nonzero on.
+    """``p V`` (``p [B, Hkv, G q, m]``) over the rows of ``V`` some weight of their kv head is nonzero on, in ``p``'s
+    dtype.
 
     ``index``: the rows of ``value.reshape(-1, D)`` the ``m`` columns of ``p`` weigh (``[B Hkv m]``), or None for
     ``value [B, Hkv, m, D]`` itself (then from ``MIN_KEYS`` keys: at 512 the search for the support cost more
     than it saved). Where at most ``GATHER_VALUES_BELOW`` of the columns carry weight (a kv
     head's rows: 2 to 20 keys of 2048 for sparsemax on real text), only their value rows are read (the padding
-    of a head with fewer gathers weight 0); else one dense product.
+    of a head with fewer gathers weight 0); else one dense product. A half-precision ``value`` (a decoding step's
+    cache, left as it is) has only the rows read cast to ``p``'s float32, at every length: exact, and no copy of
+    the whole cache.
     """
     batch, kv_heads, rows, keys = p.shape
     dim = value.shape[-1]
-    if index is None and keys < MIN_KEYS:  # short rows: the dense product costs less than finding the support
-        return torch.matmul(p.to(value.dtype), value)
+    half = value.dtype != p.dtype
+    if index is None and keys < MIN_KEYS and not half:  # short rows: the dense product costs less than the search
+        return torch.matmul(p, value)
     live = p.ne(0).any(2)  # [B, Hkv, m]
     most = int(live.sum(-1).max())
     if index is None and (most > GATHER_VALUES_BELOW * keys or not value.is_contiguous()):
-        return torch.matmul(p.to(value.dtype), value)
+        return torch.matmul(p, value.to(p.dtype))
     if index is None:
         index = torch.arange(batch * kv_heads * keys, device=p.device)
     if most <= GATHER_VALUES_BELOW * keys:
@@ -275,4 +279,4 @@ def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | 
         p = p.gather(-1, chosen.unsqueeze(2).expand(batch, kv_heads, rows, most))
         index = index.view(batch, kv_heads, keys).gather(-1, chosen)
     values = value.reshape(-1, dim).index_select(0, index.flatten()).view(batch, kv_heads, -1, dim)
-    return torch.matmul(p.to(value.dtype), values)
+    return torch.matmul(p, values.to(p.dtype))
