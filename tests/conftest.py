@@ -22,6 +22,11 @@ settings.register_profile(
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
+# Under pytest-xdist (`-n auto`, the README's command) each worker process takes its share of the cores: torch's
+# default of every core in every worker would oversubscribe them (threads spinning against each other).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture
 def compiled_kernels(monkeypatch):
