@@ -24,8 +24,10 @@ B, H, H_KV, KV, D = 3, 4, 2, 40, 8
 
 @pytest.fixture
 def compiled_decoding(compiled_kernels, monkeypatch):
-    """``compiled_kernels``, and the decoding path's compiled kernel at any size."""
+    """``compiled_kernels``, and the general decoding path (the fused kernel off: it has its own tests,
+    tests/test_attention_decode_kernel.py) with its compiled kernel at any size."""
     monkeypatch.setattr(decode, "MIN_SCORES", 0)
+    monkeypatch.setattr(decode, "fused_decode", lambda problem, alpha: None)
     return compiled_kernels
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ..mappings import compiled
 from ..mappings._core import masked_below
+from .decode_kernel import decode as fused_decode
 from .blocks import Block, block_alpha, block_scores, grouped, work_operands
 from .pages import skipping_attention, weighted_values
 
@@ -53,7 +54,7 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`) to skip the pages that
     provably weigh nothing (:func:`.pages.skipping_attention`), or None.
     """
-    batch, heads, rows, dim = query.shape
+    batch, heads, rows, _ = query.shape
     keys = key.shape[-2]
     query, _, _, mask = work_operands(query, None, None, mask)  # a half cache stays as it is: rows read are cast
     problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
@@ -62,10 +63,12 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
         row_alpha = block_alpha(problem, Block(0, rows, 0, keys), problem.query.dtype)
         out = skipping_attention(problem, *pages, row_alpha, MIN_SCORES)
         if out is not None:
-            return out.to(value.dtype).view(batch, heads, rows, dim).transpose(1, 2).contiguous()
-    scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
-    p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
-                            minimum=MIN_SCORES)
-    out = weighted_values(p.view(scores.shape), problem.value).to(value.dtype)  # [B, Hkv, G q, D]
-    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
+            return out.to(value.dtype).view(batch, heads, rows, -1).transpose(1, 2).contiguous()
+    out = fused_decode(problem, problem.alpha)  # [B, Hkv, G q, D], or None: the steps below
+    if out is None:
+        scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
+        p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
+                                minimum=MIN_SCORES)
+        out = weighted_values(p.view(scores.shape), problem.value)
+    return out.to(value.dtype).view(batch, heads, rows, -1).transpose(1, 2).contiguous()
 

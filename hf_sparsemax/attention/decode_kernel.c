@@ -1,0 +1,173 @@
+/* A decoding step of alpha-entmax attention in one pass over the cache (hf_sparsemax.attention.decode_kernel).
+
+   For each batch row b and kv head h (in parallel), its R query rows (the G query heads of the group, q rows
+   each) are scored against every cached key, each key row read once:
+
+       s_ij = scaling * <q_i, k_j> + mask_ij        (a key whose mask is at or below `masked` is not seen)
+
+   then, per row, with m = max_j s_j and z_j = (alpha - 1)(s_j - m) in double:
+
+       p_j = relu(z_j - tau) ** (1 / (alpha - 1)),   out_i = sum_j p_j v_j,
+
+   where tau in [-1, 0) is the exact threshold (sum_j p_j = 1). Since tau >= -1, a key with z_j <= -1 has
+   weight exactly 0: only the candidates z_j > -1 are collected, sorted, and solved (sparsemax and 1.5-entmax by
+   their closed forms on the sorted candidates, other alphas by Newton's method inside a bisection bracket to
+   1e-13, the eager solver's rule), and only their value rows are read. A row whose candidates exceed
+   `max_candidates` stops the call (return 1): the caller then takes its general path. A row that sees no key
+   gets 0; a row with a NaN or +inf score gets NaN. Keys and values are float32 or bfloat16 (widened exactly). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    double z;
+    int64_t j;
+} candidate;
+
+static int by_z_descending(const void *a, const void *b) {
+    double x = ((const candidate *)a)->z, y = ((const candidate *)b)->z;
+    return (x < y) - (x > y);
+}
+
+static inline float widen(const void *base, int64_t offset, int bf16) {
+    if (!bf16) return ((const float *)base)[offset];
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[offset] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* tau of the sorted candidates z[0] = 0 >= z[1] >= ... (n of them, all > -1). */
+static double threshold(const candidate *c, int64_t n, double alpha) {
+    if (alpha == 2.0) { /* sparsemax: the largest k with 1 + k z_k > sum_{i<=k} z_i; tau = (sum - 1) / k */
+        double sum = 0.0, tau = -1.0;
+        for (int64_t k = 0; k < n; k++) {
+            sum += c[k].z;
+            if (1.0 + (double)(k + 1) * c[k].z > sum) tau = (sum - 1.0) / (double)(k + 1);
+            else break;
+        }
+        return tau;
+    }
+    if (alpha == 1.5) { /* 1.5-entmax on z (= (x - max) / 2): tau = mean - sqrt(1/k - var) on the support */
+        double s1 = 0.0, s2 = 0.0, tau = -1.0;
+        for (int64_t k = 0; k < n; k++) {
+            double z = c[k].z, kk = (double)(k + 1);
+            s1 += z;
+            s2 += z * z;
+            if (s2 - 2.0 * z * s1 + kk * z * z < 1.0) {
+                double mean = s1 / kk, spread = 1.0 / kk - (s2 / kk - mean * mean);
+                tau = mean - sqrt(spread > 0.0 ? spread : 0.0);
+            } else break;
+        }
+        return tau;
+    }
+    /* other alphas in (1, 2): h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 is convex and decreasing
+       on [-1, 0]; Newton from inside the bracket, bisection where it leaves it */
+    double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
+    for (int it = 0; it < 100; it++) {
+        double total = 0.0, slope = 0.0;
+        for (int64_t k = 0; k < n && c[k].z > tau; k++) {
+            double u = c[k].z - tau, power = pow(u, beta - 1.0);
+            total += power * u;
+            slope += power;
+        }
+        double norm = pow(total, am1), h = norm - 1.0;
+        if (h > 0) lo = tau; else hi = tau;
+        double step = (lo + hi) / 2.0;
+        if (slope > 0) {
+            double newton = tau + h * (total / norm) / slope;
+            if (newton >= lo && newton <= hi) step = newton;
+        }
+        int converged = fabs(step - tau) <= 1e-13;
+        tau = step;
+        if (converged) break;
+    }
+    return tau;
+}
+
+int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, int64_t value_dim,
+                        int64_t q_rows,
+                        const float *query, const void *key, const void *value, int bf16,
+                        int64_t k_b, int64_t k_h, int64_t k_n, int64_t v_b, int64_t v_h, int64_t v_n,
+                        const float *mask, int64_t m_b, int64_t m_h, int64_t m_g, int64_t m_r, int64_t m_n,
+                        float scaling, const float *alphas, double fixed_alpha, float masked,
+                        int64_t max_candidates, float *out, int threads) {
+    int stopped = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : stopped)
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        int64_t b = task / kv_heads, h = task % kv_heads;
+        const float *q = query + task * rows * dim;
+        float *o = out + task * rows * value_dim;
+        float *scores = malloc(sizeof(float) * rows * keys);
+        float *row = malloc(sizeof(float) * dim);
+        candidate *chosen = malloc(sizeof(candidate) * (max_candidates + 1));
+        if (!scores || !row || !chosen) {
+            stopped = 1;
+            free(scores), free(row), free(chosen);
+            continue;
+        }
+        for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
+            int64_t at = b * k_b + h * k_h + j * k_n;
+            const float *kj = (const float *)key + at;
+            if (bf16) {
+                for (int64_t d = 0; d < dim; d++) row[d] = widen(key, at + d, 1);
+                kj = row;
+            }
+            for (int64_t i = 0; i < rows; i++) {
+                const float *qi = q + i * dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
+                float s = acc * scaling;
+                if (mask) {
+                    float m = mask[b * m_b + h * m_h + (i / q_rows) * m_g + (i % q_rows) * m_r + j * m_n];
+                    s = m <= masked ? -INFINITY : s + m;
+                }
+                scores[i * keys + j] = s;
+            }
+        }
+        for (int64_t i = 0; i < rows && !stopped; i++) {
+            const float *s = scores + i * keys;
+            float *oi = o + i * value_dim;
+            float top = -INFINITY;
+            int broken = 0;
+            for (int64_t j = 0; j < keys; j++) {
+                if (isnan(s[j]) || s[j] == INFINITY) broken = 1;
+                if (s[j] > top) top = s[j];
+            }
+            if (broken) {
+                for (int64_t d = 0; d < value_dim; d++) oi[d] = NAN;
+                continue;
+            }
+            memset(oi, 0, sizeof(float) * value_dim);
+            if (top <= masked) continue; /* sees no key */
+            double alpha = alphas ? (double)alphas[h * (rows / q_rows) + i / q_rows] : fixed_alpha;
+            double am1 = alpha - 1.0;
+            int64_t n = 0;
+            for (int64_t j = 0; j < keys; j++) {
+                double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
+                if (z > -1.0) {
+                    if (n == max_candidates) {
+                        stopped = 1;
+                        break;
+                    }
+                    chosen[n].z = z;
+                    chosen[n++].j = j;
+                }
+            }
+            if (stopped) break;
+            qsort(chosen, n, sizeof(candidate), by_z_descending);
+            double tau = threshold(chosen, n, alpha), beta = 1.0 / am1;
+            for (int64_t k = 0; k < n && chosen[k].z > tau; k++) {
+                double u = chosen[k].z - tau;
+                float p = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
+                int64_t at = b * v_b + h * v_h + chosen[k].j * v_n;
+                for (int64_t d = 0; d < value_dim; d++) oi[d] += p * widen(value, at + d, bf16);
+            }
+        }
+        free(scores), free(row), free(chosen);
+    }
+    return stopped;
+}
