@@ -56,7 +56,7 @@ def test_no_library_module_imports_the_app():
 @pytest.mark.slow
 def test_named_recipes_work_from_a_built_wheel(tmp_path):
     """A non-editable install (the built wheel, not this checkout) still finds `default` and `classify` by name,
-    and ships the fused decoding kernel's C source (built on first use)."""
+    and ships the fused attention kernel's C source (built on first use)."""
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), ROOT],
                    check=True, capture_output=True, timeout=600)
@@ -65,9 +65,9 @@ def test_named_recipes_work_from_a_built_wheel(tmp_path):
                    check=True, capture_output=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of any editable install of the checkout
     script = ("import hf_sparsemax, os; from hf_sparsemax.app.recipes import load_recipe; "
-              "from hf_sparsemax.attention import decode_kernel; "
+              "from hf_sparsemax.attention import fused; "
               "print(os.path.dirname(hf_sparsemax.__file__)); "
-              "print(load_recipe('default').name, load_recipe('classify').name, os.path.exists(decode_kernel.SOURCE))")
+              "print(load_recipe('default').name, load_recipe('classify').name, os.path.exists(fused.SOURCE))")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -51,6 +51,7 @@ import torch
 
 from ..mappings import compiled
 from ..mappings._core import masked_below
+from .fused import block_rows
 
 ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
 DEVICE_ATTENTION_BUDGET = 1 << 26  # ... on an accelerator (256 MiB in float32), where each block costs launches
@@ -255,7 +256,7 @@ def forward_blocks(problem: Problem, block: int, keep: bool = True):
     (``[rows, 1]``). Without ``keep`` (no backward will run: inference) the live keys are not packed for a
     backward; they still choose how ``P V`` is computed."""
     query, value = problem.query, problem.value
-    out = query.new_zeros(query.shape)
+    out = query.new_zeros((*query.shape[:-1], value.shape[-1]))
     parts, states = [], []
     for part in blocks(problem, block):
         if part.high == part.low:
@@ -263,6 +264,12 @@ def forward_blocks(problem: Problem, block: int, keep: bool = True):
             states.append(None)
             continue
         scores, _, alpha = block_scores(problem, part, part.keys())
+        fused = None if keep else block_rows(scores, value, part.keys(), alpha)  # inference, sparsemax / 1.5-entmax
+        if fused is not None:  # the fused kernel: each row's candidates solved and its support's values summed
+            out[..., part.start : part.stop, :] = fused.view(*query.shape[:3], part.stop - part.start, -1)
+            parts.append(part)
+            states.append(None)
+            continue
         index = None if keep else candidate_keys(scores, alpha, masked_below(scores.dtype))  # inference only:
         # in training the extra passes cost more than they save on average (measured on SmolLM2 at 1024 tokens)
         if index is not None:  # solve and map over the candidates alone: the other keys' weights are exactly 0

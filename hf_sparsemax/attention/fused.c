@@ -1,4 +1,5 @@
-/* A decoding step of alpha-entmax attention in one pass over the cache (hf_sparsemax.attention.decode_kernel).
+/* alpha-entmax attention rows with exact thresholds: a decoding step in one pass over the cache, and the rows of a
+   prefill's blocks from their scores (hf_sparsemax.attention.fused).
 
    For each batch row b and kv head h (in parallel), its R query rows (the G query heads of the group, q rows
    each) are scored against every cached key, each key row read once:
@@ -87,6 +88,47 @@ static double threshold(const candidate *c, int64_t n, double alpha) {
     return tau;
 }
 
+/* One row of scores s[0..keys) (masked keys at or below `masked`) to out_i = sum_j p_j v_j, the value rows at
+   value + j * v_n. Returns 1 where the row has more than max_candidates candidates (out_i then undefined). */
+static int attend_row(const float *s, int64_t keys, double alpha, float masked, candidate *chosen,
+                      int64_t max_candidates, const void *value, int64_t v_n, int64_t value_dim, int bf16,
+                      float *oi) {
+    float top = -INFINITY;
+    int broken = 0;
+    for (int64_t j = 0; j < keys; j++) {
+        if (isnan(s[j]) || s[j] == INFINITY) broken = 1;
+        if (s[j] > top) top = s[j];
+    }
+    if (broken) {
+        for (int64_t d = 0; d < value_dim; d++) oi[d] = NAN;
+        return 0;
+    }
+    memset(oi, 0, sizeof(float) * value_dim);
+    if (top <= masked) return 0; /* sees no key */
+    double am1 = alpha - 1.0;
+    int64_t n = 0;
+    for (int64_t j = 0; j < keys; j++) {
+        double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
+        if (z > -1.0) {
+            if (n == max_candidates) return 1;
+            chosen[n].z = z;
+            chosen[n++].j = j;
+        }
+    }
+    qsort(chosen, n, sizeof(candidate), by_z_descending);
+    double tau = threshold(chosen, n, alpha), beta = 1.0 / am1;
+    for (int64_t k = 0; k < n && chosen[k].z > tau; k++) {
+        double u = chosen[k].z - tau;
+        float p = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
+        int64_t at = chosen[k].j * v_n;
+        for (int64_t d = 0; d < value_dim; d++) oi[d] += p * widen(value, at + d, bf16);
+    }
+    return 0;
+}
+
+/* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
+   values through their strides, an additive mask through its strides (or NULL), alphas one per query head (or
+   NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. */
 int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, int64_t value_dim,
                         int64_t q_rows,
                         const float *query, const void *key, const void *value, int bf16,
@@ -99,7 +141,6 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         int64_t b = task / kv_heads, h = task % kv_heads;
         const float *q = query + task * rows * dim;
-        float *o = out + task * rows * value_dim;
         float *scores = malloc(sizeof(float) * rows * keys);
         float *row = malloc(sizeof(float) * dim);
         candidate *chosen = malloc(sizeof(candidate) * (max_candidates + 1));
@@ -128,46 +169,39 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
                 scores[i * keys + j] = s;
             }
         }
+        const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
+                             : (const void *)((const float *)value + b * v_b + h * v_h);
         for (int64_t i = 0; i < rows && !stopped; i++) {
-            const float *s = scores + i * keys;
-            float *oi = o + i * value_dim;
-            float top = -INFINITY;
-            int broken = 0;
-            for (int64_t j = 0; j < keys; j++) {
-                if (isnan(s[j]) || s[j] == INFINITY) broken = 1;
-                if (s[j] > top) top = s[j];
-            }
-            if (broken) {
-                for (int64_t d = 0; d < value_dim; d++) oi[d] = NAN;
-                continue;
-            }
-            memset(oi, 0, sizeof(float) * value_dim);
-            if (top <= masked) continue; /* sees no key */
             double alpha = alphas ? (double)alphas[h * (rows / q_rows) + i / q_rows] : fixed_alpha;
-            double am1 = alpha - 1.0;
-            int64_t n = 0;
-            for (int64_t j = 0; j < keys; j++) {
-                double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
-                if (z > -1.0) {
-                    if (n == max_candidates) {
-                        stopped = 1;
-                        break;
-                    }
-                    chosen[n].z = z;
-                    chosen[n++].j = j;
-                }
-            }
-            if (stopped) break;
-            qsort(chosen, n, sizeof(candidate), by_z_descending);
-            double tau = threshold(chosen, n, alpha), beta = 1.0 / am1;
-            for (int64_t k = 0; k < n && chosen[k].z > tau; k++) {
-                double u = chosen[k].z - tau;
-                float p = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
-                int64_t at = b * v_b + h * v_h + chosen[k].j * v_n;
-                for (int64_t d = 0; d < value_dim; d++) oi[d] += p * widen(value, at + d, bf16);
-            }
+            stopped |= attend_row(scores + i * keys, keys, alpha, masked, chosen, max_candidates, v, v_n, value_dim,
+                                  bf16, out + (task * rows + i) * value_dim);
         }
         free(scores), free(row), free(chosen);
+    }
+    return stopped;
+}
+
+/* Rows of scores already computed (a prefill's block: scores [tasks, rows, keys], masked entries at or below
+   `masked`), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; one alpha for
+   all; out [tasks, rows, value_dim]. */
+int hf_sparsemax_rows(int64_t tasks, int64_t kv_heads, int64_t rows, int64_t keys, int64_t value_dim,
+                      const float *scores, const void *value, int bf16, int64_t v_b, int64_t v_h, int64_t v_n,
+                      double alpha, float masked, int64_t max_candidates, float *out, int threads) {
+    int stopped = 0;
+#pragma omp parallel num_threads(threads) reduction(| : stopped)
+    {
+        candidate *chosen = malloc(sizeof(candidate) * (max_candidates + 1));
+        if (!chosen) stopped = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < tasks * rows; r++) {
+            if (stopped) continue;
+            int64_t task = r / rows, b = task / kv_heads, h = task % kv_heads;
+            const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
+                                 : (const void *)((const float *)value + b * v_b + h * v_h);
+            stopped |= attend_row(scores + r * keys, keys, alpha, masked, chosen, max_candidates, v, v_n, value_dim,
+                                  bf16, out + r * value_dim);
+        }
+        free(chosen);
     }
     return stopped;
 }

@@ -1,4 +1,5 @@
-"""The fused decoding kernel (hf_sparsemax/attention/decode_kernel.c): one pass over the cache, exact threshold.
+"""The fused kernel (hf_sparsemax/attention/fused.c): decoding in one pass over the cache, and a prefill's blocks;
+exact thresholds.
 
 Checked against the materialised mapping in float64 on the same inputs, with the value rows the identity so that
 the output rows are the attention weights themselves: the same exact zeros, the weights to float32 rounding;
@@ -17,10 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import decode, decode_kernel
+from hf_sparsemax.attention import blocks as attention_blocks
+from hf_sparsemax.attention import decode
+from hf_sparsemax.attention import fused as kernel
 from hf_sparsemax.attention.blocks import grouped
 from hf_sparsemax.attention.interface import sparse_attention_forward
-from test_attention_blocks import SETUPS, module_for
+from test_attention_blocks import L, SETUPS, masks, module_for, small_blocks
 from test_attention_inference import B, H, H_KV, KV, decode_masks
 
 SCALING = 0.4
@@ -89,11 +92,26 @@ def test_the_kernel_equals_the_general_path_on_a_real_output(monkeypatch):
     for setup in SETUPS:
         module, attn = module_for(setup)
         module.eval()
-        fused = decode_call(module, attn, q, k, v, None)
+        by_kernel = decode_call(module, attn, q, k, v, None)
         with monkeypatch.context() as patch:
             patch.setattr(decode, "fused_decode", lambda problem, alpha: None)
             general = decode_call(module, attn, q, k, v, None)
-        torch.testing.assert_close(fused, general, rtol=1e-5, atol=1e-5, msg=setup)  # scores up to ~20: ulp 2e-6
+        torch.testing.assert_close(by_kernel, general, rtol=1e-5, atol=1e-5, msg=setup)  # scores up to ~20: ulp 2e-6
+
+
+@pytest.mark.parametrize("through_kernel", [True, False])
+def test_value_heads_may_have_another_size_than_query_heads(through_kernel, monkeypatch):
+    """``V``'s head size need not be ``Q``'s and ``K``'s (an MLA attention): the kernel and the general path."""
+    q, k, v = weights_inputs(1)  # D = KV = 40 for q and k; v is the identity of size KV
+    v = torch.cat([v, v[..., :7]], dim=-1)  # 47 channels: the weights, then again the first 7
+    if not through_kernel:
+        monkeypatch.setattr(decode, "fused_decode", lambda problem, alpha: None)
+    module, attn = module_for("bisect13")
+    module.eval()
+    out = decode_call(module, attn, q, k, v, None)
+    reference = reference_weights(module, "bisect13", q, k, None)
+    assert out.shape == (B, 1, H, KV + 7)
+    torch.testing.assert_close(out.double(), torch.cat([reference, reference[..., :7]], dim=-1), rtol=2e-5, atol=1e-6)
 
 
 def test_a_strided_cache_is_read_in_place(served):
@@ -129,7 +147,7 @@ def test_nan_and_inf_scores_give_nan_rows_as_the_general_path(setup, monkeypatch
 
 def test_rows_with_too_many_candidates_go_to_the_general_path(monkeypatch, served):
     q, k, v = weights_inputs(1)
-    monkeypatch.setattr(decode_kernel, "MAX_CANDIDATES", 2)
+    monkeypatch.setattr(kernel, "MAX_CANDIDATES", 2)
     module, attn = module_for("entmax15")
     module.eval()
     out = decode_call(module, attn, q, k, v, None)
@@ -155,19 +173,19 @@ def test_what_the_kernel_does_not_read_goes_to_the_general_path(served):
 def fresh_build(monkeypatch, tmp_path):
     """A build of the kernel in an empty cache folder (the process's loaded kernel restored after)."""
     monkeypatch.setenv("HF_SPARSEMAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(decode_kernel, "_failed", [])
-    decode_kernel.library.cache_clear()
+    monkeypatch.setattr(kernel, "_failed", [])
+    kernel.library.cache_clear()
     yield tmp_path
-    decode_kernel.library.cache_clear()
+    kernel.library.cache_clear()
 
 
 def test_the_build_is_cached_by_source_flags_and_cpu(fresh_build):
-    assert decode_kernel.library() is not None
+    assert kernel.library() is not None
     built = sorted(os.listdir(fresh_build))
-    assert len(built) == 1 and built[0].startswith("decode_kernel-") and built[0].endswith(".so")
+    assert len(built) == 1 and built[0].startswith("fused-") and built[0].endswith(".so")
     stamp = os.path.getmtime(fresh_build / built[0])
-    decode_kernel.library.cache_clear()
-    assert decode_kernel.library() is not None and sorted(os.listdir(fresh_build)) == built  # loaded, not rebuilt
+    kernel.library.cache_clear()
+    assert kernel.library() is not None and sorted(os.listdir(fresh_build)) == built  # loaded, not rebuilt
     assert os.path.getmtime(fresh_build / built[0]) == stamp
 
 
@@ -176,18 +194,18 @@ def test_without_a_compiler_decoding_warns_once_and_stays_exact(fresh_build, mon
     module, attn = module_for("sparsemax")
     module.eval()
     q, k, v = weights_inputs(1)
-    with pytest.warns(RuntimeWarning, match="fused decoding kernel could not be built"):
+    with pytest.warns(RuntimeWarning, match="fused attention kernel could not be built"):
         out = decode_call(module, attn, q, k, v, None)
     with warnings.catch_warnings(record=True) as later:
         warnings.simplefilter("always")
         decode_call(module, attn, q, k, v, None)
-    assert not [w for w in later if "fused decoding kernel" in str(w.message)]  # one warning a process
-    assert served == [None, None] and decode_kernel._failed
+    assert not [w for w in later if "fused attention kernel" in str(w.message)]  # one warning a process
+    assert served == [None, None] and kernel._failed
     torch.testing.assert_close(out.double(), reference_weights(module, "sparsemax", q, k, None), rtol=2e-5, atol=1e-6)
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch, served):
-    monkeypatch.setenv(decode_kernel.ENVIRONMENT, "0")
+    monkeypatch.setenv(kernel.ENVIRONMENT, "0")
     module, attn = module_for("sparsemax")
     module.eval()
     q, k, v = weights_inputs(1)
@@ -213,7 +231,7 @@ def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, k
     learned = alpha == "learned"
     per_head = (1.15 + 0.85 * torch.rand(1, heads, 1, 1, generator=g)) if learned else None
     problem = grouped(q, k, v, mask, False, per_head if learned else alpha, SCALING, None)
-    out = decode_kernel.decode(problem, problem.alpha)
+    out = kernel.decode(problem, problem.alpha)
     assert out is not None
     scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * SCALING
     scores = scores.masked_fill(~keep, torch.finfo(torch.float64).min)
@@ -221,4 +239,30 @@ def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, k
     reference = reference.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # a row that sees nothing: 0
     got = out.view(batch, kv_heads, groups, rows, keys).flatten(1, 2).double()
     torch.testing.assert_close(got, reference, rtol=2e-5, atol=2e-6)
-    assert ((got == 0) == (reference == 0)).all() or not ties  # ties: exact zeros agree (no rounding near tau)
+    differ = (got == 0) != (reference == 0)  # the support: it may differ only where a weight is 0 to rounding (a key
+    assert (got[differ].abs() < 1e-6).all() and (reference[differ].abs() < 1e-6).all()  # at tau)
+
+
+@pytest.mark.parametrize("setup", ["sparsemax", "entmax15"])
+def test_a_no_grad_prefill_s_blocks_by_the_kernel_give_the_exact_weights(setup, monkeypatch):
+    """A prefill (no autograd, blocks of 5 queries) of sparsemax / 1.5-entmax: each block's rows solved and summed
+    by the kernel, with ``V = I``: the weights, with the same exact zeros, across the mask families."""
+    small_blocks(monkeypatch, 5 * 4 * L)
+    served, original = [], attention_blocks.block_rows
+    monkeypatch.setattr(attention_blocks, "block_rows", lambda *a: served.append(original(*a)) or served[-1])
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(2, H, L, 8, generator=g), torch.randn(2, H_KV, L, 8, generator=g) * 1.5
+    v = torch.eye(L).expand(2, H_KV, L, L).contiguous()
+    for name, mask in masks().items():
+        module, attn = module_for(setup)
+        module.eval()
+        module.is_causal = name == "is_causal"
+        served.clear()
+        with torch.no_grad():
+            out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=SCALING, mapping=attn)
+        assert served and all(found is not None for found in served), name
+        if module.is_causal:
+            mask = masks()["causal"]
+        reference = reference_weights(module, setup, q, k, mask)
+        assert ((out == 0) == (reference == 0)).all(), name
+        torch.testing.assert_close(out.double(), reference, rtol=2e-5, atol=1e-6, msg=name)

@@ -1,16 +1,18 @@
-"""The decoding step in one fused CPU kernel: each key and value row read at most once, no temporaries in torch.
+"""Decoding steps and a prefill's blocks in one fused CPU kernel (:download:`fused.c`), with exact thresholds.
 
 A decoding call's work is small (``B H q kv`` scores) and, run as torch operations, most of its time went to
 the operations themselves: two small matrix products, a compiled threshold kernel behind dynamo's guards, the
 search for the support, ~60 operations in all; inside a model, whose weights flush the caches between
-attention calls, 1.5 ms a call at 2048 keys against sdpa's 0.6 ms. :download:`decode_kernel.c` does the whole
-step in one call: for each batch row and kv head (in parallel), it scores the group's query rows against every
-key row as it reads it, finds each row's maximum ``m``, collects the candidates ``z_j = (alpha - 1)(s_j - m) > -1``
-(the others have weight exactly 0, since ``tau >= -1``), solves the exact threshold on them in float64
-(sparsemax and 1.5-entmax by their closed forms on the sorted candidates, other alphas by Newton's method in a
-bisection bracket to 1e-13: the eager solvers' algorithms and stopping rule, :mod:`hf_sparsemax.mappings`), and
-adds up ``p_j v_j`` over the support, reading only those value rows. The output equals the general path's to
-float32 rounding (``tests/test_attention_decode_kernel.py`` checks it against the materialised mapping in float64).
+attention calls, 1.5 ms a call at 2048 keys against sdpa's 0.6 ms. :func:`decode` does the whole step in one
+call: for each batch row and kv head (in parallel), it scores the group's query rows against every key row as it
+reads it, finds each row's maximum ``m``, collects the candidates ``z_j = (alpha - 1)(s_j - m) > -1`` (the others
+have weight exactly 0, since ``tau >= -1``), solves the exact threshold on them in float64 (sparsemax and
+1.5-entmax by their closed forms on the sorted candidates, other alphas by Newton's method in a bisection
+bracket to 1e-13: the eager solvers' algorithms and stopping rule, :mod:`hf_sparsemax.mappings`), and adds up
+``p_j v_j`` over the support, reading only those value rows. :func:`block_rows` does the same from a prefill
+block's scores (the products stay with BLAS), for sparsemax and 1.5-entmax, in place of the candidate search,
+the compiled solve and the gathered ``P V``. Outputs equal the general path's to float32 rounding
+(``tests/test_attention_fused.py`` checks the weights themselves against the materialised mappings in float64).
 
 The kernel is compiled on first use with the system's C compiler (``$CC``, default ``cc``; ``-O3
 -march=native``, OpenMP where the compiler has it) into a cache folder (``$HF_SPARSEMAX_CACHE``, default
@@ -35,8 +37,9 @@ import torch
 
 from ..mappings._core import masked_below
 
-SOURCE = os.path.join(os.path.dirname(__file__), "decode_kernel.c")
+SOURCE = os.path.join(os.path.dirname(__file__), "fused.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+PLAIN_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 MAX_CANDIDATES = 1024  # candidates a row may have (z > -1); more: the general path (its Newton passes suit flat rows)
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"  # "0": no compiled kernels (the row kernels' switch, shared)
@@ -65,7 +68,7 @@ def compile_library(compiler: str, flags: tuple[str, ...]) -> str:
     with open(SOURCE, "rb") as handle:
         source = handle.read()
     digest = hashlib.sha256(source + repr((compiler, flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
-    path = os.path.join(cache_folder(), f"decode_kernel-{digest}.so")
+    path = os.path.join(cache_folder(), f"fused-{digest}.so")
     if not os.path.exists(path):
         handle, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(handle)
@@ -86,7 +89,7 @@ def library():
     """The loaded kernel, or None where it cannot be built (one warning; the general path from then on)."""
     compiler = os.environ.get("CC", "cc")
     error = None
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):  # without OpenMP: one thread (a compiler without it)
+    for flags in (FLAGS + ("-fopenmp",), PLAIN_FLAGS):  # then plainer: a compiler without OpenMP (one thread)
         try:
             lib = ctypes.CDLL(compile_library(compiler, flags))
             break
@@ -94,13 +97,16 @@ def library():
             error = found
     else:
         _failed.append(f"{type(error).__name__}: {error}")
-        warnings.warn(f"hf_sparsemax: the fused decoding kernel could not be built ({_failed[0][:300]}); decoding "
-                      "steps take the general path", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"hf_sparsemax: the fused attention kernel could not be built ({_failed[0][:300]}); decoding "
+                      "steps and prefills take the general path", RuntimeWarning, stacklevel=3)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hf_sparsemax_decode.restype = ctypes.c_int
     lib.hf_sparsemax_decode.argtypes = [i64] * 7 + [ptr] * 3 + [ctypes.c_int] + [i64] * 6 + [ptr] + [i64] * 5 + [
         ctypes.c_float, ptr, ctypes.c_double, ctypes.c_float, i64, ptr, ctypes.c_int]
+    lib.hf_sparsemax_rows.restype = ctypes.c_int
+    lib.hf_sparsemax_rows.argtypes = [i64] * 5 + [ptr, ptr, ctypes.c_int] + [i64] * 3 + [
+        ctypes.c_double, ctypes.c_float, i64, ptr, ctypes.c_int]
     return lib
 
 
@@ -133,4 +139,26 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
         value.stride(2), pointer(mask), *strides, problem.scaling, pointer(alphas),
         float(alpha) if alphas is None else 0.0, masked_below(torch.float32), MAX_CANDIDATES, out.data_ptr(),
         torch.get_num_threads())
+    return None if stopped else out
+
+
+CLOSED_FORMS = (2.0, 1.5)  # the alphas whose rows the kernel solves for a prefill (sparsemax, 1.5-entmax)
+
+
+def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice, alpha) -> torch.Tensor | None:
+    """``P V [B, Hkv, R, Dv]`` (float32) of a prefill block's scores ``[B, Hkv, R, n]`` (masks added) over the value
+    rows ``keys`` of ``value [B, Hkv, kv, Dv]``, for sparsemax and 1.5-entmax (their closed forms on each row's
+    candidates; other alphas' candidates are many and their Newton passes suit the compiled row kernel), or None
+    where the kernel does not serve the block (as :func:`decode`)."""
+    if (isinstance(alpha, torch.Tensor) or alpha not in CLOSED_FORMS or scores.dtype != torch.float32
+            or scores.device.type != "cpu" or not scores.is_contiguous() or value.dtype not in KEY_DTYPES
+            or value.stride(-1) != 1 or not available()):
+        return None
+    batch, kv_heads, rows, n = scores.shape
+    values = value[:, :, keys]
+    out = torch.empty(batch, kv_heads, rows, value.shape[-1])
+    stopped = library().hf_sparsemax_rows(
+        batch * kv_heads, kv_heads, rows, n, value.shape[-1], scores.data_ptr(), values.data_ptr(),
+        KEY_DTYPES[value.dtype], values.stride(0), values.stride(1), values.stride(2), float(alpha),
+        masked_below(torch.float32), MAX_CANDIDATES, out.data_ptr(), torch.get_num_threads())
     return None if stopped else out
