@@ -5,8 +5,8 @@ Checked against the materialised mapping in float64 on the same inputs, with the
 the output rows are the attention weights themselves: the same exact zeros, the weights to float32 rounding;
 across the threshold mappings (a learned alpha per head included), one and three query rows per head, grouped
 heads, every mask a decoding step meets, float32 and bfloat16 caches, strided caches (a static cache's filled
-part), NaN and +inf scores; and what it leaves to the general path (flat rows with too many candidates, float16,
-a key layout it does not read), the build cache, and a machine without a compiler.
+part), NaN and +inf scores, closed forms and Newton's method; a prefill's blocks; and what it leaves to the
+general path (float16, a key layout it does not read), the build cache, and a machine without a compiler.
 """
 
 import os
@@ -145,14 +145,25 @@ def test_nan_and_inf_scores_give_nan_rows_as_the_general_path(setup, monkeypatch
     torch.testing.assert_close(fused.nan_to_num(), general.nan_to_num(), rtol=1e-5, atol=1e-6)
 
 
-def test_rows_with_too_many_candidates_go_to_the_general_path(monkeypatch, served):
-    q, k, v = weights_inputs(1)
-    monkeypatch.setattr(kernel, "MAX_CANDIDATES", 2)
-    module, attn = module_for("entmax15")
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_rows_with_many_candidates_are_solved_by_newton_exactly(setup, monkeypatch, served):
+    """Sparsemax and 1.5-entmax rows with more than ``SORT_BELOW`` candidates (flat rows) take Newton's method
+    (Michelot's algorithm for sparsemax) instead of the closed form on sorted candidates: forced here on every
+    row, and on flat rows (keys all alike: every key a candidate) the kernel still serves the call."""
+    monkeypatch.setattr(kernel, "SORT_BELOW", 0)
+    module, attn = module_for(setup)
     module.eval()
-    out = decode_call(module, attn, q, k, v, None)
-    assert served[-1] is None  # left: every row here has more than 2 keys within 2 of its maximum
-    torch.testing.assert_close(out.double(), reference_weights(module, "entmax15", q, k, None), rtol=2e-5, atol=1e-6)
+    q, k, v = weights_inputs(3)
+    for name, mask in decode_masks(3).items():
+        out = decode_call(module, attn, q, k, v, mask)
+        assert served[-1] is not None, name
+        reference = reference_weights(module, setup, q, k, mask)
+        assert ((out == 0) == (reference == 0)).all(), name
+        torch.testing.assert_close(out.double(), reference, rtol=2e-5, atol=1e-6, msg=name)
+    flat = k[:, :, :1].expand(k.shape).contiguous() + 1e-3 * k  # every key within 1 / (alpha - 1) of the maximum
+    out = decode_call(module, attn, q, flat, v, None)
+    assert served[-1] is not None
+    torch.testing.assert_close(out.double(), reference_weights(module, setup, q, flat, None), rtol=2e-5, atol=1e-6)
 
 
 def test_what_the_kernel_does_not_read_goes_to_the_general_path(served):
@@ -216,10 +227,11 @@ def test_the_switch_turns_the_kernel_off(monkeypatch, served):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 3), kv_heads=st.integers(1, 3), groups=st.integers(1, 3),
        rows=st.integers(1, 4), keys=st.integers(1, 70), ties=st.booleans(), seen=st.floats(0.2, 1.0),
-       alpha=st.sampled_from([2.0, 1.5, 1.3, 1.9, "learned"]))
-def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, keys, ties, seen, alpha):
+       alpha=st.sampled_from([2.0, 1.5, 1.3, 1.9, "learned"]), sort_below=st.sampled_from([0, 3, 128]))
+def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, keys, ties, seen, alpha, sort_below):
     """Any shape, grouping, mask density (rows that see nothing included) and alpha; ``ties``: integer keys and
-    queries, so many scores are equal (the closed forms' sorted candidates hold equal runs)."""
+    queries, so many scores are equal (the closed forms' sorted candidates hold equal runs); ``sort_below``: the
+    closed forms on sorted candidates or Newton's method, or each for some rows."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * groups
     q, k = torch.randn(batch, heads, rows, 6, generator=g), torch.randn(batch, kv_heads, keys, 6, generator=g) * 2
@@ -231,7 +243,9 @@ def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, k
     learned = alpha == "learned"
     per_head = (1.15 + 0.85 * torch.rand(1, heads, 1, 1, generator=g)) if learned else None
     problem = grouped(q, k, v, mask, False, per_head if learned else alpha, SCALING, None)
-    out = kernel.decode(problem, problem.alpha)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "SORT_BELOW", sort_below)
+        out = kernel.decode(problem, problem.alpha)
     assert out is not None
     scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * SCALING
     scores = scores.masked_fill(~keep, torch.finfo(torch.float64).min)

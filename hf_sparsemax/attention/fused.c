@@ -11,11 +11,12 @@
        p_j = relu(z_j - tau) ** (1 / (alpha - 1)),   out_i = sum_j p_j v_j,
 
    where tau in [-1, 0) is the exact threshold (sum_j p_j = 1). Since tau >= -1, a key with z_j <= -1 has
-   weight exactly 0: only the candidates z_j > -1 are collected, sorted, and solved (sparsemax and 1.5-entmax by
-   their closed forms on the sorted candidates, other alphas by Newton's method inside a bisection bracket to
-   1e-13, the eager solver's rule), and only their value rows are read. A row whose candidates exceed
-   `max_candidates` stops the call (return 1): the caller then takes its general path. A row that sees no key
-   gets 0; a row with a NaN or +inf score gets NaN. Keys and values are float32 or bfloat16 (widened exactly). */
+   weight exactly 0: only the candidates z_j > -1 are collected and solved, and only their value rows are read.
+   Sparsemax and 1.5-entmax rows with few candidates (at most `sort_below`) take the closed forms on the sorted
+   candidates; other rows Newton's method on the candidates in a bisection bracket until a step moves tau by at
+   most 1e-13 (the eager solver's rule; Michelot's algorithm for sparsemax). A row that sees no key gets 0; a
+   row with a NaN or +inf score gets NaN. Keys and values are float32 or bfloat16 (widened exactly). A call
+   returns 1 only where memory could not be had (the caller then takes its general path). */
 
 #include <math.h>
 #include <stdint.h>
@@ -40,46 +41,48 @@ static inline float widen(const void *base, int64_t offset, int bf16) {
     return value;
 }
 
-/* tau of the sorted candidates z[0] = 0 >= z[1] >= ... (n of them, all > -1). */
-static double threshold(const candidate *c, int64_t n, double alpha) {
-    if (alpha == 2.0) { /* sparsemax: the largest k with 1 + k z_k > sum_{i<=k} z_i; tau = (sum - 1) / k */
-        double sum = 0.0, tau = -1.0;
-        for (int64_t k = 0; k < n; k++) {
-            sum += c[k].z;
-            if (1.0 + (double)(k + 1) * c[k].z > sum) tau = (sum - 1.0) / (double)(k + 1);
+/* tau of the candidates sorted descending (z[0] = 0 >= z[1] >= ..., n of them, all > -1): the closed forms of
+   sparsemax and 1.5-entmax. */
+static double closed_form(const candidate *c, int64_t n, double alpha) {
+    double s1 = 0.0, s2 = 0.0, tau = -1.0;
+    for (int64_t k = 0; k < n; k++) {
+        double z = c[k].z, kk = (double)(k + 1);
+        s1 += z;
+        s2 += z * z;
+        if (alpha == 2.0) { /* sparsemax: the largest k with 1 + k z_k > sum_{i<=k} z_i; tau = (sum - 1) / k */
+            if (1.0 + kk * z > s1) tau = (s1 - 1.0) / kk;
             else break;
-        }
-        return tau;
-    }
-    if (alpha == 1.5) { /* 1.5-entmax on z (= (x - max) / 2): tau = mean - sqrt(1/k - var) on the support */
-        double s1 = 0.0, s2 = 0.0, tau = -1.0;
-        for (int64_t k = 0; k < n; k++) {
-            double z = c[k].z, kk = (double)(k + 1);
-            s1 += z;
-            s2 += z * z;
+        } else { /* 1.5-entmax on z = (x - max) / 2: tau = mean - sqrt(1/k - var) on the support */
             if (s2 - 2.0 * z * s1 + kk * z * z < 1.0) {
                 double mean = s1 / kk, spread = 1.0 / kk - (s2 / kk - mean * mean);
                 tau = mean - sqrt(spread > 0.0 ? spread : 0.0);
             } else break;
         }
-        return tau;
     }
-    /* other alphas in (1, 2): h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 is convex and decreasing
-       on [-1, 0]; Newton from inside the bracket, bisection where it leaves it */
+    return tau;
+}
+
+/* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
+   h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
+   [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most 1e-13 (the eager
+   solver's rule). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow. */
+static double newton(const candidate *c, int64_t n, double alpha) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
-    for (int it = 0; it < 100; it++) {
+    for (int it = 0; it < 200; it++) {
         double total = 0.0, slope = 0.0;
-        for (int64_t k = 0; k < n && c[k].z > tau; k++) {
-            double u = c[k].z - tau, power = pow(u, beta - 1.0);
+        for (int64_t k = 0; k < n; k++) {
+            double u = c[k].z - tau;
+            if (u <= 0.0) continue;
+            double power = beta == 1.0 ? 1.0 : beta == 2.0 ? u : pow(u, beta - 1.0); /* u ** (beta - 1) */
             total += power * u;
             slope += power;
         }
-        double norm = pow(total, am1), h = norm - 1.0;
+        double norm = alpha == 2.0 ? total : alpha == 1.5 ? sqrt(total) : pow(total, am1), h = norm - 1.0;
         if (h > 0) lo = tau; else hi = tau;
         double step = (lo + hi) / 2.0;
         if (slope > 0) {
-            double newton = tau + h * (total / norm) / slope;
-            if (newton >= lo && newton <= hi) step = newton;
+            double proposal = tau + h * (total / norm) / slope;
+            if (proposal >= lo && proposal <= hi) step = proposal;
         }
         int converged = fabs(step - tau) <= 1e-13;
         tau = step;
@@ -89,10 +92,10 @@ static double threshold(const candidate *c, int64_t n, double alpha) {
 }
 
 /* One row of scores s[0..keys) (masked keys at or below `masked`) to out_i = sum_j p_j v_j, the value rows at
-   value + j * v_n. Returns 1 where the row has more than max_candidates candidates (out_i then undefined). */
-static int attend_row(const float *s, int64_t keys, double alpha, float masked, candidate *chosen,
-                      int64_t max_candidates, const void *value, int64_t v_n, int64_t value_dim, int bf16,
-                      float *oi) {
+   value + j * v_n; `chosen` holds up to `keys` candidates. Sparsemax and 1.5-entmax rows with at most
+   `sort_below` candidates take the closed form on the sorted candidates, the others Newton's method. */
+static void attend_row(const float *s, int64_t keys, double alpha, float masked, candidate *chosen,
+                       int64_t sort_below, const void *value, int64_t v_n, int64_t value_dim, int bf16, float *oi) {
     float top = -INFINITY;
     int broken = 0;
     for (int64_t j = 0; j < keys; j++) {
@@ -101,29 +104,34 @@ static int attend_row(const float *s, int64_t keys, double alpha, float masked, 
     }
     if (broken) {
         for (int64_t d = 0; d < value_dim; d++) oi[d] = NAN;
-        return 0;
+        return;
     }
     memset(oi, 0, sizeof(float) * value_dim);
-    if (top <= masked) return 0; /* sees no key */
+    if (top <= masked) return; /* sees no key */
     double am1 = alpha - 1.0;
     int64_t n = 0;
     for (int64_t j = 0; j < keys; j++) {
         double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
         if (z > -1.0) {
-            if (n == max_candidates) return 1;
             chosen[n].z = z;
             chosen[n++].j = j;
         }
     }
-    qsort(chosen, n, sizeof(candidate), by_z_descending);
-    double tau = threshold(chosen, n, alpha), beta = 1.0 / am1;
-    for (int64_t k = 0; k < n && chosen[k].z > tau; k++) {
+    double tau;
+    if ((alpha == 2.0 || alpha == 1.5) && n <= sort_below) {
+        qsort(chosen, n, sizeof(candidate), by_z_descending);
+        tau = closed_form(chosen, n, alpha);
+    } else {
+        tau = newton(chosen, n, alpha);
+    }
+    double beta = 1.0 / am1;
+    for (int64_t k = 0; k < n; k++) {
         double u = chosen[k].z - tau;
+        if (u <= 0.0) continue;
         float p = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
         int64_t at = chosen[k].j * v_n;
         for (int64_t d = 0; d < value_dim; d++) oi[d] += p * widen(value, at + d, bf16);
     }
-    return 0;
 }
 
 /* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
@@ -135,7 +143,7 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
                         int64_t k_b, int64_t k_h, int64_t k_n, int64_t v_b, int64_t v_h, int64_t v_n,
                         const float *mask, int64_t m_b, int64_t m_h, int64_t m_g, int64_t m_r, int64_t m_n,
                         float scaling, const float *alphas, double fixed_alpha, float masked,
-                        int64_t max_candidates, float *out, int threads) {
+                        int64_t sort_below, float *out, int threads) {
     int stopped = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : stopped)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
@@ -143,12 +151,15 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
         const float *q = query + task * rows * dim;
         float *scores = malloc(sizeof(float) * rows * keys);
         float *row = malloc(sizeof(float) * dim);
-        candidate *chosen = malloc(sizeof(candidate) * (max_candidates + 1));
-        if (!scores || !row || !chosen) {
+        candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
+        const float **mask_rows = malloc(sizeof(float *) * rows);
+        if (!scores || !row || !chosen || !mask_rows) {
             stopped = 1;
-            free(scores), free(row), free(chosen);
+            free(scores), free(row), free(chosen), free(mask_rows);
             continue;
         }
+        for (int64_t i = 0; mask && i < rows; i++) /* row i: query head i / q_rows of the group, its row i % q_rows */
+            mask_rows[i] = mask + b * m_b + h * m_h + (i / q_rows) * m_g + (i % q_rows) * m_r;
         for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
             int64_t at = b * k_b + h * k_h + j * k_n;
             const float *kj = (const float *)key + at;
@@ -163,7 +174,7 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
                 for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
                 float s = acc * scaling;
                 if (mask) {
-                    float m = mask[b * m_b + h * m_h + (i / q_rows) * m_g + (i % q_rows) * m_r + j * m_n];
+                    float m = mask_rows[i][j * m_n];
                     s = m <= masked ? -INFINITY : s + m;
                 }
                 scores[i * keys + j] = s;
@@ -171,12 +182,12 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
         }
         const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
                              : (const void *)((const float *)value + b * v_b + h * v_h);
-        for (int64_t i = 0; i < rows && !stopped; i++) {
+        for (int64_t i = 0; i < rows; i++) {
             double alpha = alphas ? (double)alphas[h * (rows / q_rows) + i / q_rows] : fixed_alpha;
-            stopped |= attend_row(scores + i * keys, keys, alpha, masked, chosen, max_candidates, v, v_n, value_dim,
-                                  bf16, out + (task * rows + i) * value_dim);
+            attend_row(scores + i * keys, keys, alpha, masked, chosen, sort_below, v, v_n, value_dim, bf16,
+                       out + (task * rows + i) * value_dim);
         }
-        free(scores), free(row), free(chosen);
+        free(scores), free(row), free(chosen), free(mask_rows);
     }
     return stopped;
 }
@@ -186,11 +197,11 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
    all; out [tasks, rows, value_dim]. */
 int hf_sparsemax_rows(int64_t tasks, int64_t kv_heads, int64_t rows, int64_t keys, int64_t value_dim,
                       const float *scores, const void *value, int bf16, int64_t v_b, int64_t v_h, int64_t v_n,
-                      double alpha, float masked, int64_t max_candidates, float *out, int threads) {
+                      double alpha, float masked, int64_t sort_below, float *out, int threads) {
     int stopped = 0;
 #pragma omp parallel num_threads(threads) reduction(| : stopped)
     {
-        candidate *chosen = malloc(sizeof(candidate) * (max_candidates + 1));
+        candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
         if (!chosen) stopped = 1;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tasks * rows; r++) {
@@ -198,8 +209,8 @@ int hf_sparsemax_rows(int64_t tasks, int64_t kv_heads, int64_t rows, int64_t key
             int64_t task = r / rows, b = task / kv_heads, h = task % kv_heads;
             const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
                                  : (const void *)((const float *)value + b * v_b + h * v_h);
-            stopped |= attend_row(scores + r * keys, keys, alpha, masked, chosen, max_candidates, v, v_n, value_dim,
-                                  bf16, out + r * value_dim);
+            attend_row(scores + r * keys, keys, alpha, masked, chosen, sort_below, v, v_n, value_dim, bf16,
+                       out + r * value_dim);
         }
         free(chosen);
     }

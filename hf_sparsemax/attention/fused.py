@@ -7,8 +7,9 @@ attention calls, 1.5 ms a call at 2048 keys against sdpa's 0.6 ms. :func:`decode
 call: for each batch row and kv head (in parallel), it scores the group's query rows against every key row as it
 reads it, finds each row's maximum ``m``, collects the candidates ``z_j = (alpha - 1)(s_j - m) > -1`` (the others
 have weight exactly 0, since ``tau >= -1``), solves the exact threshold on them in float64 (sparsemax and
-1.5-entmax by their closed forms on the sorted candidates, other alphas by Newton's method in a bisection
-bracket to 1e-13: the eager solvers' algorithms and stopping rule, :mod:`hf_sparsemax.mappings`), and adds up
+1.5-entmax by their closed forms on the sorted candidates where they are at most ``SORT_BELOW``, otherwise
+Newton's method in a bisection bracket to 1e-13, Michelot's algorithm for sparsemax: the eager solvers'
+algorithms and stopping rule, :mod:`hf_sparsemax.mappings`), and adds up
 ``p_j v_j`` over the support, reading only those value rows. :func:`block_rows` does the same from a prefill
 block's scores (the products stay with BLAS), for sparsemax and 1.5-entmax, in place of the candidate search,
 the compiled solve and the gathered ``P V``. Outputs equal the general path's to float32 rounding
@@ -18,8 +19,9 @@ The kernel is compiled on first use with the system's C compiler (``$CC``, defau
 -march=native``, OpenMP where the compiler has it) into a cache folder (``$HF_SPARSEMAX_CACHE``, default
 ``~/.cache/hf_sparsemax``), named by a hash of the source, the flags and the CPU, so later processes load it; it
 is called through ``ctypes`` (no guards, no wrappers: a few microseconds). It serves float32 queries with
-float32 or bfloat16 keys and values; anything else, a row with more than ``MAX_CANDIDATES`` candidates (flat
-rows), no compiler (one warning) or ``HF_SPARSEMAX_COMPILED_SOLVER=0`` leaves the call to the general path.
+float32 or bfloat16 keys and values, every row (flat rows too: no compiled kernel is ever built for these calls);
+anything else, no compiler (one warning) or ``HF_SPARSEMAX_COMPILED_SOLVER=0`` leaves the call to the general
+path.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..mappings._core import masked_below
 SOURCE = os.path.join(os.path.dirname(__file__), "fused.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 PLAIN_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
-MAX_CANDIDATES = 1024  # candidates a row may have (z > -1); more: the general path (its Newton passes suit flat rows)
+SORT_BELOW = 128  # sparsemax / 1.5-entmax rows with at most this many candidates: the closed form on them sorted
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"  # "0": no compiled kernels (the row kernels' switch, shared)
 _failed: list[str] = []
@@ -134,10 +136,10 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(batch, kv_heads, groups * rows, value.shape[-1])
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     stopped = library().hf_sparsemax_decode(
-        batch, kv_heads, groups * rows, key.shape[-2], dim, value.shape[-1], rows, pointer(query), pointer(key), pointer(value),
-        KEY_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
-        value.stride(2), pointer(mask), *strides, problem.scaling, pointer(alphas),
-        float(alpha) if alphas is None else 0.0, masked_below(torch.float32), MAX_CANDIDATES, out.data_ptr(),
+        batch, kv_heads, groups * rows, key.shape[-2], dim, value.shape[-1], rows, pointer(query), pointer(key),
+        pointer(value), KEY_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2), value.stride(0),
+        value.stride(1), value.stride(2), pointer(mask), *strides, problem.scaling, pointer(alphas),
+        float(alpha) if alphas is None else 0.0, masked_below(torch.float32), SORT_BELOW, out.data_ptr(),
         torch.get_num_threads())
     return None if stopped else out
 
@@ -160,5 +162,5 @@ def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice, alpha) ->
     stopped = library().hf_sparsemax_rows(
         batch * kv_heads, kv_heads, rows, n, value.shape[-1], scores.data_ptr(), values.data_ptr(),
         KEY_DTYPES[value.dtype], values.stride(0), values.stride(1), values.stride(2), float(alpha),
-        masked_below(torch.float32), MAX_CANDIDATES, out.data_ptr(), torch.get_num_threads())
+        masked_below(torch.float32), SORT_BELOW, out.data_ptr(), torch.get_num_threads())
     return None if stopped else out

@@ -1,0 +1,87 @@
+r"""Sparse attention against sdpa in one process, alternating: a steadier ratio than separate processes (issue 37).
+
+``bench_inference.py`` runs each contender in its own fresh process, as a user would; on a virtual machine the
+speed of a process varies by 10-20% from one process to the next (memory placement), which is the size of the
+targets. Here both models live in one process (the pretrained SmolLM2-135M-Instruct, float32, fortunes text), and
+each round times one step of each, in alternating order, CPU time on one thread:
+
+- ``decode``: one greedy decoding step from a prefilled ``DynamicCache`` of ``--context`` tokens, for sdpa, the
+  sparse attention with exact KV skipping (``skip``) and without (``full``, ``HF_SPARSEMAX_KV_SKIP=0``);
+- ``prefill``: one forward over ``--context`` tokens under ``torch.no_grad()``, for sdpa, the sparse attention
+  (``fused``: the default path) and the sparse attention without the fused kernel's blocks (``blocked``).
+
+The median over ``--rounds`` rounds, and the ratios to sdpa:
+
+    PYTHONPATH=. python benchmarks/bench_interleaved.py decode --context 2048 --attn sparsemax --rounds 16
+    PYTHONPATH=. python benchmarks/bench_interleaved.py prefill --context 2048 --attn entmax15 --rounds 3
+    PYTHONPATH=. python benchmarks/bench_interleaved.py decode --context 512 --attn entmax_bisect \
+        --options '{"alpha": 1.3, "learn_alpha": true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from bench_inference import prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["decode", "prefill"])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--attn", default="sparsemax")
+    parser.add_argument("--options", default="{}", help="attn_options as JSON")
+    parser.add_argument("--rounds", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import hf_sparsemax as hs
+    from hf_sparsemax.app.assets import load_smollm2
+    from hf_sparsemax.attention import blocks, pages
+    from transformers import DynamicCache
+
+    base, tokenizer = load_smollm2(dtype=torch.float32)
+    model, _ = load_smollm2(dtype=torch.float32)
+    base.eval(), model.eval()
+    hs.patch_model(model, attn=args.attn, attn_options=json.loads(args.options) or None)
+    ids, _ = prompt(tokenizer, args.context, 1)
+    fused_rows = blocks.block_rows
+    names = ["sdpa", "skip", "full"] if args.step == "decode" else ["sdpa", "fused", "blocked"]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    with torch.no_grad():
+        state = {}
+        if args.step == "decode":
+            for name, m in (("sdpa", base), ("skip", model)):
+                out = m(input_ids=ids, past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
+                state[name] = [out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)]
+            state["full"] = [copy.deepcopy(state["skip"][0]), state["skip"][1]]
+        else:
+            for m in (base, model):  # compiles the kernels before anything is timed
+                m(input_ids=ids[:, :256], past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
+        for round_ in range(args.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                m = base if name == "sdpa" else model
+                os.environ[pages.ENVIRONMENT] = "0" if name == "full" else "1"
+                blocks.block_rows = fused_rows if name != "blocked" else (lambda *a: None)
+                start = time.process_time()
+                if args.step == "decode":
+                    cache, token = state[name]
+                    out = m(input_ids=token, past_key_values=cache)
+                    state[name][1] = out.logits[:, -1].argmax(-1, keepdim=True)
+                else:
+                    m(input_ids=ids, past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
+                times[name].append(time.process_time() - start)
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"{args.step} at {args.context} tokens, {args.attn} {args.options}, {args.rounds} rounds in one process, "
+          "CPU time, one thread: " + ", ".join(f"{n} {median[n]:.1f} ms" for n in names) + "; "
+          + ", ".join(f"{n}/sdpa {median[n] / median['sdpa']:.2f}x" for n in names[1:]))
+
+
+if __name__ == "__main__":
+    main()
