@@ -10,8 +10,7 @@ kernels skip blocks this small) that stops on a host test after each Newton pass
 
 is computed by the fused kernel (:mod:`.fused`: one pass over the cache in C, the exact threshold on the
 candidate keys, ``P V`` over the support) wherever it serves the call: float32 queries (a half model's are cast),
-float32 or bfloat16 caches read in place. Otherwise (float16 or float64, a row with very many candidates, no
-C compiler) it is one product, the compiled row kernel from ``MIN_SCORES`` scores (9 heads at 456 cached keys;
+float32 or bfloat16 caches read in place. Otherwise (float16 or float64, no C compiler) it is one product, the compiled row kernel from ``MIN_SCORES`` scores (9 heads at 456 cached keys;
 below, the eager solver) (:func:`hf_sparsemax.mappings.compiled.weights`: the same
 graph as the blocked path's, its rows not certified by the fixed Newton passes solved again by the eager exact
 solver, so ``tau`` is the exact threshold) and one product. The scores and weights ``[B, Hkv, G q, kv]`` are

@@ -38,13 +38,13 @@ import warnings
 import torch
 
 from ..mappings._core import masked_below
+from ..mappings.compiled import ENVIRONMENT  # "0": no compiled kernels (the row kernels' switch, shared)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "fused.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 PLAIN_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 SORT_BELOW = 128  # sparsemax / 1.5-entmax rows with at most this many candidates: the closed form on them sorted
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
-ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"  # "0": no compiled kernels (the row kernels' switch, shared)
 _failed: list[str] = []
 
 
