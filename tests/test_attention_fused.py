@@ -185,6 +185,7 @@ def fresh_build(monkeypatch, tmp_path):
     """A build of the kernel in an empty cache folder (the process's loaded kernel restored after)."""
     monkeypatch.setenv("HF_SPARSEMAX_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel, "_failed", [])
+    monkeypatch.setattr(kernel.kernel_build, "_said", set())
     kernel.library.cache_clear()
     yield tmp_path
     kernel.library.cache_clear()

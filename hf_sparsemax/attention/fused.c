@@ -14,14 +14,23 @@
    weight exactly 0: only the candidates z_j > -1 are collected and solved, and only their value rows are read.
    Sparsemax and 1.5-entmax rows with few candidates (at most `sort_below`) take the closed forms on the sorted
    candidates; other rows Newton's method on the candidates in a bisection bracket until a step moves tau by at
-   most 1e-13 (the eager solver's rule; Michelot's algorithm for sparsemax). A row that sees no key gets 0; a
+   most `tolerance` (the eager solver's rule; Michelot's algorithm for sparsemax). A row that sees no key gets 0; a
    row with a NaN or +inf score gets NaN. Keys and values are float32 or bfloat16 (widened exactly). A call
-   returns 1 only where memory could not be had (the caller then takes its general path). */
+   returns 1 only where memory could not be had (the caller then takes its general path).
+
+   Both entry points take one argument, hf_sparsemax_params: its declaration is generated from the Python side's
+   FIELDS (hf_sparsemax.attention.fused) into the header included below, and so are the solver's constants
+   (tolerance, max_iter, candidate_margin, sort_below): nothing here restates them. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "hf_sparsemax_params.h"
+
+/* The size the library was built for: the loader compares it with its own struct before any call. */
+int64_t hf_sparsemax_params_size(void) { return (int64_t)sizeof(hf_sparsemax_params); }
 
 typedef struct {
     double z;
@@ -41,8 +50,8 @@ static inline float widen(const void *base, int64_t offset, int bf16) {
     return value;
 }
 
-/* tau of the candidates sorted descending (z[0] = 0 >= z[1] >= ..., n of them, all > -1): the closed forms of
-   sparsemax and 1.5-entmax. */
+/* tau of the candidates sorted descending (z[0] = 0 >= z[1] >= ..., n of them, all > -candidate_margin): the
+   closed forms of sparsemax and 1.5-entmax (a candidate at or below -1 never enters the support). */
 static double closed_form(const candidate *c, int64_t n, double alpha) {
     double s1 = 0.0, s2 = 0.0, tau = -1.0;
     for (int64_t k = 0; k < n; k++) {
@@ -64,11 +73,11 @@ static double closed_form(const candidate *c, int64_t n, double alpha) {
 
 /* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
    h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
-   [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most 1e-13 (the eager
-   solver's rule). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow. */
-static double newton(const candidate *c, int64_t n, double alpha) {
+   [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
+   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow. */
+static double newton(const candidate *c, int64_t n, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
-    for (int it = 0; it < 200; it++) {
+    for (int64_t it = 0; it < p->max_iter; it++) {
         double total = 0.0, slope = 0.0;
         for (int64_t k = 0; k < n; k++) {
             double u = c[k].z - tau;
@@ -84,24 +93,30 @@ static double newton(const candidate *c, int64_t n, double alpha) {
             double proposal = tau + h * (total / norm) / slope;
             if (proposal >= lo && proposal <= hi) step = proposal;
         }
-        int converged = fabs(step - tau) <= 1e-13;
+        int converged = fabs(step - tau) <= p->tolerance;
         tau = step;
         if (converged) break;
     }
     return tau;
 }
 
-/* One row of scores s[0..keys) (masked keys at or below `masked`) to out_i = sum_j p_j v_j, the value rows at
-   value + j * v_n; `chosen` holds up to `keys` candidates. Sparsemax and 1.5-entmax rows with at most
-   `sort_below` candidates take the closed form on the sorted candidates, the others Newton's method. */
-static void attend_row(const float *s, int64_t keys, double alpha, float masked, candidate *chosen,
-                       int64_t sort_below, const void *value, int64_t v_n, int64_t value_dim, int bf16, float *oi) {
+/* One row of scores s[0..keys) (masked keys at or below p->masked) to out_i = sum_j p_j v_j, the value rows at
+   value + j * v_n; `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
+   rounding). Sparsemax and 1.5-entmax rows with at most p->sort_below candidates take the closed form on the
+   sorted candidates, the others Newton's method. Where tau_out is not NULL, the row's tau goes there (NaN where
+   the row has none: it sees no key, or holds NaN / +inf). */
+static void attend_row(const float *s, int64_t keys, double alpha, candidate *chosen, const void *value,
+                       const hf_sparsemax_params *p, float *oi, double *tau_out) {
+    int64_t v_n = p->v_n, value_dim = p->value_dim;
+    int bf16 = p->bf16;
+    float masked = p->masked;
     float top = -INFINITY;
     int broken = 0;
     for (int64_t j = 0; j < keys; j++) {
         if (isnan(s[j]) || s[j] == INFINITY) broken = 1;
         if (s[j] > top) top = s[j];
     }
+    if (tau_out) *tau_out = NAN; /* until solved: rows with NaN or +inf, and rows that see no key */
     if (broken) {
         for (int64_t d = 0; d < value_dim; d++) oi[d] = NAN;
         return;
@@ -112,43 +127,40 @@ static void attend_row(const float *s, int64_t keys, double alpha, float masked,
     int64_t n = 0;
     for (int64_t j = 0; j < keys; j++) {
         double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
-        if (z > -1.0) {
+        if (z > -p->candidate_margin) {
             chosen[n].z = z;
             chosen[n++].j = j;
         }
     }
     double tau;
-    if ((alpha == 2.0 || alpha == 1.5) && n <= sort_below) {
+    if ((alpha == 2.0 || alpha == 1.5) && n <= p->sort_below) {
         qsort(chosen, n, sizeof(candidate), by_z_descending);
         tau = closed_form(chosen, n, alpha);
     } else {
-        tau = newton(chosen, n, alpha);
+        tau = newton(chosen, n, alpha, p);
     }
+    if (tau_out) *tau_out = tau;
     double beta = 1.0 / am1;
     for (int64_t k = 0; k < n; k++) {
         double u = chosen[k].z - tau;
         if (u <= 0.0) continue;
-        float p = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
+        float weight = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
         int64_t at = chosen[k].j * v_n;
-        for (int64_t d = 0; d < value_dim; d++) oi[d] += p * widen(value, at + d, bf16);
+        for (int64_t d = 0; d < value_dim; d++) oi[d] += weight * widen(value, at + d, bf16);
     }
 }
 
 /* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
    values through their strides, an additive mask through its strides (or NULL), alphas one per query head (or
    NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. */
-int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, int64_t value_dim,
-                        int64_t q_rows,
-                        const float *query, const void *key, const void *value, int bf16,
-                        int64_t k_b, int64_t k_h, int64_t k_n, int64_t v_b, int64_t v_h, int64_t v_n,
-                        const float *mask, int64_t m_b, int64_t m_h, int64_t m_g, int64_t m_r, int64_t m_n,
-                        float scaling, const float *alphas, double fixed_alpha, float masked,
-                        int64_t sort_below, float *out, int threads) {
+int hf_sparsemax_decode(const hf_sparsemax_params *p) {
+    int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, dim = p->dim, q_rows = p->q_rows;
+    const float *mask = p->mask;
     int stopped = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : stopped)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
+#pragma omp parallel for num_threads(p->threads) schedule(static) reduction(| : stopped)
+    for (int64_t task = 0; task < p->batch * kv_heads; task++) {
         int64_t b = task / kv_heads, h = task % kv_heads;
-        const float *q = query + task * rows * dim;
+        const float *q = p->query + task * rows * dim;
         float *scores = malloc(sizeof(float) * rows * keys);
         float *row = malloc(sizeof(float) * dim);
         candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
@@ -159,12 +171,12 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
             continue;
         }
         for (int64_t i = 0; mask && i < rows; i++) /* row i: query head i / q_rows of the group, its row i % q_rows */
-            mask_rows[i] = mask + b * m_b + h * m_h + (i / q_rows) * m_g + (i % q_rows) * m_r;
+            mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
         for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
-            int64_t at = b * k_b + h * k_h + j * k_n;
-            const float *kj = (const float *)key + at;
-            if (bf16) {
-                for (int64_t d = 0; d < dim; d++) row[d] = widen(key, at + d, 1);
+            int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
+            const float *kj = (const float *)p->key + at;
+            if (p->bf16) {
+                for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
                 kj = row;
             }
             for (int64_t i = 0; i < rows; i++) {
@@ -172,34 +184,34 @@ int hf_sparsemax_decode(int64_t batch, int64_t kv_heads, int64_t rows, int64_t k
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
-                float s = acc * scaling;
+                float s = acc * p->scaling;
                 if (mask) {
-                    float m = mask_rows[i][j * m_n];
-                    s = m <= masked ? -INFINITY : s + m;
+                    float m = mask_rows[i][j * p->m_n];
+                    s = m <= p->masked ? -INFINITY : s + m;
                 }
                 scores[i * keys + j] = s;
             }
         }
-        const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
-                             : (const void *)((const float *)value + b * v_b + h * v_h);
+        const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
+                                : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
         for (int64_t i = 0; i < rows; i++) {
-            double alpha = alphas ? (double)alphas[h * (rows / q_rows) + i / q_rows] : fixed_alpha;
-            attend_row(scores + i * keys, keys, alpha, masked, chosen, sort_below, v, v_n, value_dim, bf16,
-                       out + (task * rows + i) * value_dim);
+            double alpha = p->alphas ? (double)p->alphas[h * (rows / q_rows) + i / q_rows] : p->fixed_alpha;
+            int64_t at = task * rows + i;
+            attend_row(scores + i * keys, keys, alpha, chosen, v, p, p->out + at * p->value_dim,
+                       p->taus ? p->taus + at : NULL);
         }
         free(scores), free(row), free(chosen), free(mask_rows);
     }
     return stopped;
 }
 
-/* Rows of scores already computed (a prefill's block: scores [tasks, rows, keys], masked entries at or below
-   `masked`), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; one alpha for
-   all; out [tasks, rows, value_dim]. */
-int hf_sparsemax_rows(int64_t tasks, int64_t kv_heads, int64_t rows, int64_t keys, int64_t value_dim,
-                      const float *scores, const void *value, int bf16, int64_t v_b, int64_t v_h, int64_t v_n,
-                      double alpha, float masked, int64_t sort_below, float *out, int threads) {
+/* Rows of scores already computed (a prefill's block: scores [batch * kv_heads, rows, keys], masked entries at or
+   below p->masked), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; one alpha
+   (fixed_alpha) for all; out [batch * kv_heads, rows, value_dim]. */
+int hf_sparsemax_rows(const hf_sparsemax_params *p) {
+    int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, tasks = p->batch * p->kv_heads;
     int stopped = 0;
-#pragma omp parallel num_threads(threads) reduction(| : stopped)
+#pragma omp parallel num_threads(p->threads) reduction(| : stopped)
     {
         candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
         if (!chosen) stopped = 1;
@@ -207,10 +219,10 @@ int hf_sparsemax_rows(int64_t tasks, int64_t kv_heads, int64_t rows, int64_t key
         for (int64_t r = 0; r < tasks * rows; r++) {
             if (stopped) continue;
             int64_t task = r / rows, b = task / kv_heads, h = task % kv_heads;
-            const void *v = bf16 ? (const void *)((const uint16_t *)value + b * v_b + h * v_h)
-                                 : (const void *)((const float *)value + b * v_b + h * v_h);
-            attend_row(scores + r * keys, keys, alpha, masked, chosen, sort_below, v, v_n, value_dim, bf16,
-                       out + r * value_dim);
+            const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
+                                    : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
+            attend_row(p->scores + r * keys, keys, p->fixed_alpha, chosen, v, p, p->out + r * p->value_dim,
+                       p->taus ? p->taus + r : NULL);
         }
         free(chosen);
     }

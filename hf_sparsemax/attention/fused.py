@@ -15,100 +15,90 @@ block's scores (the products stay with BLAS), for sparsemax and 1.5-entmax, in p
 the compiled solve and the gathered ``P V``. Outputs equal the general path's to float32 rounding
 (``tests/test_attention_fused.py`` checks the weights themselves against the materialised mappings in float64).
 
-The kernel is compiled on first use with the system's C compiler (``$CC``, default ``cc``; ``-O3
--march=native``, OpenMP where the compiler has it) into a cache folder (``$HF_SPARSEMAX_CACHE``, default
-``~/.cache/hf_sparsemax``), named by a hash of the source, the flags and the CPU, so later processes load it; it
-is called through ``ctypes`` (no guards, no wrappers: a few microseconds). It serves float32 queries with
-float32 or bfloat16 keys and values, every row (flat rows too: no compiled kernel is ever built for these calls);
-anything else, no compiler (one warning) or ``HF_SPARSEMAX_COMPILED_SOLVER=0`` leaves the call to the general
-path.
+The kernel is built on first use (:mod:`.kernel_build`: the system's C compiler, a cache folder only the user
+can write, ``hf-sparsemax build-kernels`` ahead of time) and called through ``ctypes`` with one argument, a
+:class:`Params` struct (FlashAttention's ``Flash_fwd_params`` style): its C declaration is generated from
+:data:`FIELDS` at build time, so the two sides cannot disagree on a field. The solver's constants (tolerance,
+iteration cap, the candidates' bound) come from the Python solvers' modules through it. Before a pointer leaves
+Python every tensor's device, dtype, shape, strides and extent are checked (:func:`checked`): a mismatch the model
+should never produce is a ``ValueError`` naming it; what the kernel does not read (float16, another device, a
+layout it does not walk) is left to the general path. It serves float32 queries with float32 or bfloat16 keys
+and values, every row (flat rows too: no compiled kernel is ever built for these calls); its output is float32
+on the CPU whatever the default dtype and device. No compiler (one warning) or ``HF_SPARSEMAX_COMPILED_SOLVER=0``
+leaves every call to the general path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
-import warnings
 
 import torch
 
 from ..mappings._core import masked_below
-from ..mappings.compiled import ENVIRONMENT  # "0": no compiled kernels (the row kernels' switch, shared)
+from ..mappings.compiled import CANDIDATE_MARGIN, ENVIRONMENT  # "0": no compiled kernels (the row kernels' switch)
+from ..mappings.entmax import MAX_ITER, TOLERANCE  # the eager solver's stopping rule, shared by the C solver
+from . import kernel_build
 
-SOURCE = os.path.join(os.path.dirname(__file__), "fused.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
-PLAIN_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 SORT_BELOW = 128  # sparsemax / 1.5-entmax rows with at most this many candidates: the closed form on them sorted
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 _failed: list[str] = []
 
+_I64, _F64, _F32, _I32, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+C_TYPES = {_I64: "int64_t", _F64: "double", _F32: "float", _I32: "int32_t"}
+FIELDS = (  # (name, ctypes type, C type where a pointer): the one declaration of the kernel's argument
+    # shapes: query [batch, kv_heads, rows, dim] (rows: the G heads' q_rows rows each), keys, value rows' size
+    ("batch", _I64), ("kv_heads", _I64), ("rows", _I64), ("keys", _I64), ("dim", _I64), ("value_dim", _I64),
+    ("q_rows", _I64),
+    # operands: decode reads query / key / mask, rows() reads scores; both value (and alphas) and write out
+    ("query", _PTR, "const float *"), ("scores", _PTR, "const float *"), ("key", _PTR, "const void *"),
+    ("value", _PTR, "const void *"), ("mask", _PTR, "const float *"), ("alphas", _PTR, "const float *"),
+    ("out", _PTR, "float *"), ("taus", _PTR, "double *"),  # taus: each row's threshold, where not NULL (tests)
+    # strides in elements: key and value [batch, kv head, key], mask [batch, kv head, group, row, key]
+    ("k_b", _I64), ("k_h", _I64), ("k_n", _I64), ("v_b", _I64), ("v_h", _I64), ("v_n", _I64),
+    ("m_b", _I64), ("m_h", _I64), ("m_g", _I64), ("m_r", _I64), ("m_n", _I64),
+    # the mapping: alpha (where alphas is NULL), the scores' scale, the masked level (at or below: not seen)
+    ("fixed_alpha", _F64), ("scaling", _F32), ("masked", _F32),
+    # the solver: Newton's stopping step and cap, the candidates z > -candidate_margin, the closed forms' limit
+    ("tolerance", _F64), ("candidate_margin", _F64), ("max_iter", _I64), ("sort_below", _I64),
+    ("bf16", _I32), ("threads", _I32),
+)
 
-def cache_folder() -> str:
-    folder = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_sparsemax")
-    os.makedirs(folder, exist_ok=True)
-    return folder
+
+class Params(ctypes.Structure):
+    """The kernel's one argument (``hf_sparsemax_params`` in C, generated by :func:`header`)."""
+
+    _fields_ = [(name, kind) for name, kind, *_ in FIELDS]
 
 
-def cpu_signature() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and flags (Linux), else the machine's name."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            lines = [line for line in info if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.machine() + platform.processor()
-
-
-def compile_library(compiler: str, flags: tuple[str, ...]) -> str:
-    """The path of the built library (built now unless the cache has it); raises where the compiler fails."""
-    with open(SOURCE, "rb") as handle:
-        source = handle.read()
-    digest = hashlib.sha256(source + repr((compiler, flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
-    path = os.path.join(cache_folder(), f"fused-{digest}.so")
-    if not os.path.exists(path):
-        handle, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-        os.close(handle)
-        try:
-            subprocess.run([compiler, *flags, SOURCE, "-o", partial, "-lm"], check=True, capture_output=True,
-                           text=True, timeout=300)
-            os.replace(partial, path)  # atomic: processes building at once each leave a whole library
-        except subprocess.CalledProcessError as error:
-            raise RuntimeError(f"{compiler} failed: {error.stderr.strip()[-500:]}") from None
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-    return path
+def header() -> str:
+    """The C declaration of :class:`Params` (same field order and types: the same layout)."""
+    lines = [f"    {pointer[0]}{name};" if pointer else f"    {C_TYPES[kind]} {name};" for name, kind, *pointer in FIELDS]
+    return ("/* generated by hf_sparsemax.attention.fused.header() from FIELDS: do not edit */\n"
+            "#include <stdint.h>\ntypedef struct {\n" + "\n".join(lines) + "\n} hf_sparsemax_params;\n")
 
 
 @functools.lru_cache(maxsize=1)
 def library():
     """The loaded kernel, or None where it cannot be built (one warning; the general path from then on)."""
-    compiler = os.environ.get("CC", "cc")
-    error = None
-    for flags in (FLAGS + ("-fopenmp",), PLAIN_FLAGS):  # then plainer: a compiler without OpenMP (one thread)
-        try:
-            lib = ctypes.CDLL(compile_library(compiler, flags))
-            break
-        except (OSError, RuntimeError, subprocess.SubprocessError) as found:
-            error = found
-    else:
+    try:
+        path, lost = kernel_build.build_library(header())
+        lib = ctypes.CDLL(path)
+        lib.hf_sparsemax_params_size.restype = _I64
+        if lib.hf_sparsemax_params_size() != ctypes.sizeof(Params):
+            raise RuntimeError(f"{path} was built for another argument layout")
+    except (OSError, RuntimeError) as error:
         _failed.append(f"{type(error).__name__}: {error}")
-        warnings.warn(f"hf_sparsemax: the fused attention kernel could not be built ({_failed[0][:300]}); decoding "
-                      "steps and prefills take the general path", RuntimeWarning, stacklevel=3)
+        kernel_build.warn_once("failed", f"the fused attention kernel could not be built ({_failed[0][:300]}); "
+                                         "decoding steps and prefills take the general path")
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.hf_sparsemax_decode.restype = ctypes.c_int
-    lib.hf_sparsemax_decode.argtypes = [i64] * 7 + [ptr] * 3 + [ctypes.c_int] + [i64] * 6 + [ptr] + [i64] * 5 + [
-        ctypes.c_float, ptr, ctypes.c_double, ctypes.c_float, i64, ptr, ctypes.c_int]
-    lib.hf_sparsemax_rows.restype = ctypes.c_int
-    lib.hf_sparsemax_rows.argtypes = [i64] * 5 + [ptr, ptr, ctypes.c_int] + [i64] * 3 + [
-        ctypes.c_double, ctypes.c_float, i64, ptr, ctypes.c_int]
+    if lost:
+        kernel_build.warn_once("openmp", f"the fused attention kernel was built without OpenMP, so it runs on one "
+                                         f"thread ({lost[:200]})")
+    for name in ("hf_sparsemax_decode", "hf_sparsemax_rows"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.POINTER(Params)]
     return lib
 
 
@@ -116,51 +106,108 @@ def available() -> bool:
     return os.environ.get(ENVIRONMENT, "1") != "0" and not torch.compiler.is_compiling() and library() is not None
 
 
+def within_storage(tensor: torch.Tensor) -> bool:
+    """Whether every element the sizes and strides reach lies inside the tensor's storage (no negative stride)."""
+    if any(stride < 0 for stride in tensor.stride()):
+        return False
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+
+
+def checked(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], device: torch.device) -> torch.Tensor:
+    """``tensor`` where its shape matches ``shape`` (None: any size), it lies on ``device`` and inside its
+    storage; else a ValueError naming the mismatch (these come from a model's own bug, never from a call the
+    kernel merely does not serve)."""
+    if tensor.device != device:
+        raise ValueError(f"fused attention kernel: {name} is on {tensor.device}, the query on {device}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        wanted = ", ".join("*" if want is None else str(want) for want in shape)
+        raise ValueError(f"fused attention kernel: {name} has shape {tuple(tensor.shape)}, expected [{wanted}]")
+    if not within_storage(tensor):
+        raise ValueError(f"fused attention kernel: {name}'s strides {tensor.stride()} reach outside its storage")
+    return tensor
+
+
+def solver_params(**fields) -> Params:
+    """A :class:`Params` with the solver's constants from the Python solvers and the given fields."""
+    return Params(tolerance=TOLERANCE, candidate_margin=CANDIDATE_MARGIN, max_iter=MAX_ITER, sort_below=SORT_BELOW,
+                  masked=masked_below(torch.float32), threads=torch.get_num_threads(), **fields)
+
+
+def new_output(*shape: int) -> torch.Tensor:
+    """The kernel's output: float32 on the CPU, whatever the default dtype and device."""
+    return torch.empty(shape, dtype=torch.float32, device="cpu")
+
+
 def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
     """``out [B, Hkv, G q, D]`` (float32) of a decoding call's :class:`.blocks.Problem` (``alpha`` a float, or
     ``[1, Hkv, G, 1, 1]`` learned per head), or None where the kernel does not serve it (module docstring)."""
     query, key, value, mask = problem.query, problem.key, problem.value, problem.mask
-    batch, kv_heads, groups, rows, dim = query.shape
     if (query.dtype != torch.float32 or query.device.type != "cpu" or key.dtype not in KEY_DTYPES
             or value.dtype != key.dtype or key.stride(-1) != 1 or value.stride(-1) != 1
-            or (mask is not None and mask.dtype != torch.float32) or not available()):
+            or (mask is not None and mask.dtype != torch.float32) or query.numel() == 0 or key.numel() == 0
+            or not available()):
         return None
-    query = query.contiguous()
+    batch, kv_heads, groups, rows, dim = query.shape
+    keys, device = key.shape[-2], query.device
+    query = checked("query", query.contiguous(), (batch, kv_heads, groups, rows, dim), device)
+    checked("key", key, (batch, kv_heads, keys, dim), device)
+    checked("value", value, (batch, kv_heads, keys, None), device)
     alphas = None
     if isinstance(alpha, torch.Tensor):
-        alphas = alpha.detach().to(torch.float32).reshape(kv_heads * groups).contiguous()
+        alphas = alpha.detach().to(device=device, dtype=torch.float32).contiguous()
+        checked("alpha", alphas, (1, kv_heads, groups, 1, 1), device)
     strides = (0,) * 5
     if mask is not None:
-        mask = mask.expand(batch, kv_heads, groups, rows, key.shape[-2])
-        strides = mask.stride()
-    out = torch.empty(batch, kv_heads, groups * rows, value.shape[-1])
+        try:
+            mask = mask.expand(batch, kv_heads, groups, rows, keys)
+        except RuntimeError:
+            raise ValueError(f"fused attention kernel: the mask's shape {tuple(mask.shape)} does not broadcast to "
+                             f"{(batch, kv_heads, groups, rows, keys)}") from None
+        strides = checked("mask", mask, (batch, kv_heads, groups, rows, keys), device).stride()
+    out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    stopped = library().hf_sparsemax_decode(
-        batch, kv_heads, groups * rows, key.shape[-2], dim, value.shape[-1], rows, pointer(query), pointer(key),
-        pointer(value), KEY_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2), value.stride(0),
-        value.stride(1), value.stride(2), pointer(mask), *strides, problem.scaling, pointer(alphas),
-        float(alpha) if alphas is None else 0.0, masked_below(torch.float32), SORT_BELOW, out.data_ptr(),
-        torch.get_num_threads())
+    params = solver_params(
+        batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value.shape[-1],
+        q_rows=rows, query=pointer(query), key=pointer(key), value=pointer(value), mask=pointer(mask),
+        alphas=pointer(alphas), out=out.data_ptr(), k_b=key.stride(0), k_h=key.stride(1), k_n=key.stride(2),
+        v_b=value.stride(0), v_h=value.stride(1), v_n=value.stride(2), m_b=strides[0], m_h=strides[1],
+        m_g=strides[2], m_r=strides[3], m_n=strides[4], scaling=problem.scaling,
+        fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype])
+    stopped = library().hf_sparsemax_decode(ctypes.byref(params))
     return None if stopped else out
 
 
 CLOSED_FORMS = (2.0, 1.5)  # the alphas whose rows the kernel solves for a prefill (sparsemax, 1.5-entmax)
 
 
-def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice, alpha) -> torch.Tensor | None:
+def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice | torch.Tensor, alpha,
+               taus: torch.Tensor | None = None) -> torch.Tensor | None:
     """``P V [B, Hkv, R, Dv]`` (float32) of a prefill block's scores ``[B, Hkv, R, n]`` (masks added) over the value
     rows ``keys`` of ``value [B, Hkv, kv, Dv]``, for sparsemax and 1.5-entmax (their closed forms on each row's
     candidates; other alphas' candidates are many and their Newton passes suit the compiled row kernel), or None
-    where the kernel does not serve the block (as :func:`decode`)."""
-    if (isinstance(alpha, torch.Tensor) or alpha not in CLOSED_FORMS or scores.dtype != torch.float32
+    where the kernel does not serve the block (as :func:`decode`). ``taus`` (float64, ``B Hkv R`` elements, or
+    None): where given, each row's threshold on ``z = (alpha - 1)(s - max s)`` is written there, and any alpha in
+    (1, 2] is served (the C solver pinned to the Python solvers by the tests)."""
+    if (isinstance(alpha, torch.Tensor) or (alpha not in CLOSED_FORMS and taus is None) or scores.dtype != torch.float32
             or scores.device.type != "cpu" or not scores.is_contiguous() or value.dtype not in KEY_DTYPES
-            or value.stride(-1) != 1 or not available()):
+            or value.stride(-1) != 1 or scores.numel() == 0 or not available()):
         return None
     batch, kv_heads, rows, n = scores.shape
-    values = value[:, :, keys]
-    out = torch.empty(batch, kv_heads, rows, value.shape[-1])
-    stopped = library().hf_sparsemax_rows(
-        batch * kv_heads, kv_heads, rows, n, value.shape[-1], scores.data_ptr(), values.data_ptr(),
-        KEY_DTYPES[value.dtype], values.stride(0), values.stride(1), values.stride(2), float(alpha),
-        masked_below(torch.float32), SORT_BELOW, out.data_ptr(), torch.get_num_threads())
+    checked("scores", scores, (batch, kv_heads, rows, n), scores.device)
+    values = checked("value rows", value[:, :, keys], (batch, kv_heads, n, None), scores.device)
+    out = new_output(batch, kv_heads, rows, value.shape[-1])
+    if taus is not None and (taus.dtype != torch.float64 or taus.device.type != "cpu" or not taus.is_contiguous()
+                             or taus.numel() != batch * kv_heads * rows):
+        raise ValueError(f"fused attention kernel: taus must be {batch * kv_heads * rows} contiguous float64 on the CPU")
+    params = solver_params(
+        taus=None if taus is None else taus.data_ptr(),
+        batch=batch, kv_heads=kv_heads, rows=rows, keys=n, value_dim=value.shape[-1], scores=scores.data_ptr(),
+        value=values.data_ptr(), v_b=values.stride(0), v_h=values.stride(1), v_n=values.stride(2),
+        fixed_alpha=float(alpha), bf16=KEY_DTYPES[value.dtype], out=out.data_ptr())
+    stopped = library().hf_sparsemax_rows(ctypes.byref(params))
     return None if stopped else out
+
+
+if __name__ == "__main__":
+    raise SystemExit(kernel_build.main())

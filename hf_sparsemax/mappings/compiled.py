@@ -39,6 +39,9 @@ from ._sync_free import threshold_map as sync_free_map
 MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks: compiling would cost more)
 BACKEND = "inductor"
 ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"
+# candidates of a row: z = (alpha - 1)(s - max s) > -CANDIDATE_MARGIN (tau >= -1; 1% for rounding); a constant, so
+# the compiled graph holds it, and the fused CPU kernel's candidates (attention/fused.c) take it from here
+CANDIDATE_MARGIN = 1.01
 _failed: list[str] = []  # the first compile error, once compiling failed in this process
 
 
@@ -82,11 +85,12 @@ def solve_and_map(rows, masked: float, alpha, steps: int | None = None):
 
 
 def candidates(rows, masked: float, alpha):
-    """``[n]``: whether some row of ``rows [rows, n]`` may give the key a nonzero weight, ``s > max s - 1.01 /
-    (alpha - 1)`` (alpha-entmax's largest weight is at most 1, so ``tau >= -1``; 1% for rounding); masked keys
-    and rows that see nothing give none, a NaN gives every key (one row pass and one column pass when compiled)."""
+    """``[n]``: whether some row of ``rows [rows, n]`` may give the key a nonzero weight, ``s > max s -
+    CANDIDATE_MARGIN / (alpha - 1)`` (alpha-entmax's largest weight is at most 1, so ``tau >= -1``; 1% for
+    rounding; the fused CPU kernel collects its candidates by the same bound); masked keys and rows that see
+    nothing give none, a NaN gives every key (one row pass and one column pass when compiled)."""
     alpha = named(alpha)
-    floor = (rows.amax(-1, keepdim=True) - 1.01 / (alpha - 1)).clamp_min(masked)
+    floor = (rows.amax(-1, keepdim=True) - CANDIDATE_MARGIN / (alpha - 1)).clamp_min(masked)
     return (rows - floor).amax(0).le(0).logical_not()
 
 
