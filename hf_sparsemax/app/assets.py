@@ -45,7 +45,8 @@ def gguf_cache(folder: str, name: str) -> str:
     Reading a GGUF file parses every tokenizer entry in Python (15-45 s for
     SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
     the safetensors copy loads in a second or two. It lives under
-    ``$HF_SPARSEMAX_CACHE`` (default ``~/.cache/hf_sparsemax``), keyed by the
+    the library's cache folder (``$HF_SPARSEMAX_CACHE``, default ``~/.cache/hf_sparsemax``:
+    :func:`hf_sparsemax.attention.kernel_build.wanted_folder`, made private to the user), keyed by the
     file's path, size and modification time, and is written to a temporary
     folder first and renamed, so a crash never leaves a broken copy.
     """
@@ -55,10 +56,12 @@ def gguf_cache(folder: str, name: str) -> str:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..attention import kernel_build
+
     path = os.path.join(folder, name)
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("HF_SPARSEMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_sparsemax")
+    root = kernel_build.wanted_folder()
     target = os.path.join(root, "gguf", f"{os.path.splitext(name)[0]}-{key}")
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
@@ -66,6 +69,7 @@ def gguf_cache(folder: str, name: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+    os.makedirs(root, mode=0o700, exist_ok=True)  # private, as the CPU kernel wants its (shared) folder
     os.makedirs(os.path.dirname(target), exist_ok=True)
     work = tempfile.mkdtemp(prefix=os.path.basename(target) + ".", dir=os.path.dirname(target))
     model.save_pretrained(work)

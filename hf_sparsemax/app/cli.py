@@ -7,6 +7,7 @@
     hf-sparsemax generate default --variant entmax15_loss --set 'eval.prompts=["Murphy says"]'
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
     hf-sparsemax serve default --variant entmax15_loss    # vLLM's OpenAI server on 127.0.0.1:8000 (needs vLLM)
+    hf-sparsemax build-kernels                            # the CPU attention kernel, built now into its cache
 
 A recipe is a YAML file (or the name of a recipe shipped with the package:
 default, classify). Override any field with --set PATH=VALUE (repeatable): PATH is the
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--variant", help="which of the recipe's variants (default: the first)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dry-run", action="store_true", help="prepare the folder and print the vllm command")
+    commands.add_parser("build-kernels", help="build the CPU attention kernel now (container images, read-only "
+                        "homes)", description="Build the CPU attention kernel now into $HF_SPARSEMAX_CACHE "
+                        "(default ~/.cache/hf_sparsemax), so that later processes load it.")
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args = argv[argv.index("--") + 1:] if "--" in argv else []  # serve: what follows -- goes to vllm serve
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -222,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             return recipe_command(args)
         if args.command == "serve":
             return serve_cli(args)
+        if args.command == "build-kernels":
+            from ..attention import kernel_build
+
+            return kernel_build.main([])
         return decoding_report_command(args)
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"hf-sparsemax: error: {' '.join(str(error).split())}", file=sys.stderr)
