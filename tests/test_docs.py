@@ -3,8 +3,11 @@
 The examples of README.md and docs/ run as tests of their own (the root conftest.py collects them).
 """
 
+import importlib.util
+import json
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -87,3 +90,39 @@ def test_outputs_a_page_shows_are_compared():
                 if ("print(" in line or "print(" in before) and SHOWN_VALUE.match("# " + comment.lstrip("# ")):
                     shown.append(f"{os.path.relpath(page, ROOT)}: {line.strip()}")
     assert shown == []
+
+
+def png_text(path: str) -> dict[str, str]:
+    """The ``tEXt`` chunks of a PNG file: 8 bytes of signature, then chunks of length, type, data and CRC."""
+    data, found, at = open(path, "rb").read(), {}, 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        if kind == b"tEXt":
+            key, text = data[at + 8:at + 8 + length].split(b"\0", 1)
+            found[key.decode("latin-1")] = text.decode("latin-1")
+        at += 12 + length
+    return found
+
+
+def test_the_speed_figure_shows_the_recorded_tables():
+    """The README's figure (docs/speed-vs-sdpa.png) carries the points it plots in a text chunk: they are what
+    benchmarks/plot_speed.py reads from docs/speed-attention.md's tables now, so a table changed without the figure
+    fails here (rerun `python benchmarks/plot_speed.py`). Both pages show it, each by a path relative to itself."""
+    spec = importlib.util.spec_from_file_location("plot_speed", os.path.join(ROOT, "benchmarks", "plot_speed.py"))
+    plot_speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_speed)
+    recorded = plot_speed.read_points(open(plot_speed.PAGE, encoding="utf-8").read())
+    assert json.loads(png_text(plot_speed.FIGURE)["Description"]) == recorded
+    assert os.path.getsize(plot_speed.FIGURE) < 100_000
+    assert min(len(points) for panel in ("training", "prefill", "decoding") for points in recorded[panel].values()) > 1
+    assert "](docs/speed-vs-sdpa.png)" in open(os.path.join(ROOT, "README.md")).read()
+    assert "](speed-vs-sdpa.png)" in open(plot_speed.PAGE).read()
+
+
+def test_no_page_a_user_reads_names_the_projects_issues():
+    """History (which issue, which branch, which stop) is the CHANGELOG's; the README and docs/ describe the library."""
+    pages = [os.path.join(ROOT, "README.md")]
+    pages += [os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names
+              if name.endswith(".md") and name != "changelog.md"]  # changelog.md includes CHANGELOG.md
+    named = {os.path.relpath(page, ROOT): re.findall(r"\bissues?[ -]?#?\d+", open(page).read(), re.I) for page in pages}
+    assert {page: found for page, found in named.items() if found} == {}
