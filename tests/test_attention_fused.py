@@ -21,6 +21,7 @@ import hf_sparsemax as hs
 from hf_sparsemax.attention import blocks as attention_blocks
 from hf_sparsemax.attention import decode
 from hf_sparsemax.attention import fused as kernel
+from hf_sparsemax.attention import kernel_build
 from hf_sparsemax.attention.blocks import grouped
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import L, SETUPS, masks, module_for, small_blocks
@@ -185,7 +186,7 @@ def fresh_build(monkeypatch, tmp_path):
     """A build of the kernel in an empty cache folder (the process's loaded kernel restored after)."""
     monkeypatch.setenv("HF_SPARSEMAX_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel, "_failed", [])
-    monkeypatch.setattr(kernel.kernel_build, "_said", set())
+    monkeypatch.setattr(kernel_build, "_said", set())
     kernel.library.cache_clear()
     yield tmp_path
     kernel.library.cache_clear()

@@ -19,6 +19,7 @@ import hf_sparsemax as hs
 from hf_sparsemax.attention import blocks as attention_blocks
 from hf_sparsemax.attention import decode
 from hf_sparsemax.attention import fused as kernel
+from hf_sparsemax.attention import kernel_build
 from hf_sparsemax.attention.blocks import grouped
 from hf_sparsemax.mappings import compiled, entmax
 from hf_sparsemax.mappings.entmax import bisect_solve, entmax15_solve
@@ -140,7 +141,7 @@ def test_the_struct_is_the_one_declaration_of_both_sides():
     assert lib.hf_sparsemax_params_size() == ctypes.sizeof(kernel.Params)
     declared = re.findall(r"^\s+[^;]*?(\w+);$", kernel.header(), flags=re.M)
     assert declared == [name for name, *_ in kernel.FIELDS] == [name for name, _ in kernel.Params._fields_]
-    with open(kernel.kernel_build.SOURCE, encoding="utf-8") as handle:
+    with open(kernel_build.SOURCE, encoding="utf-8") as handle:
         source = handle.read()
     assert '#include "hf_sparsemax_params.h"' in source and "typedef struct {\n    int64_t batch" not in source
     code = re.sub(r"/\*.*?\*/", "", source, flags=re.S)  # the solver's constants are not restated in C
@@ -150,7 +151,7 @@ def test_the_struct_is_the_one_declaration_of_both_sides():
 def test_a_library_built_for_another_layout_is_not_called(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_SPARSEMAX_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel, "_failed", [])
-    monkeypatch.setattr(kernel.kernel_build, "_said", set())
+    monkeypatch.setattr(kernel_build, "_said", set())
     fields = kernel.FIELDS
     monkeypatch.setattr(kernel, "FIELDS", fields + (("added_in_c", ctypes.c_int64),))  # C built with a field more
     kernel.library.cache_clear()

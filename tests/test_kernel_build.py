@@ -180,12 +180,12 @@ def test_the_kernel_builds_ahead_of_time_and_loads_from_a_folder_it_need_not_wri
 
 def test_build_ahead_of_time_refuses_a_folder_others_can_write(cache, capsys):
     os.chmod(cache, 0o777)
-    assert kernel_build.main([]) == 1
+    assert fused.main([]) == 1
     assert "writable by its group or by others" in capsys.readouterr().err and built(cache) == []
 
 
 def test_python_dash_m_builds_the_kernel(cache):
-    done = subprocess.run([sys.executable, "-m", "hf_sparsemax.attention.kernel_build"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "hf_sparsemax.attention.fused"], capture_output=True,
                           text=True, env={**os.environ, "HF_SPARSEMAX_CACHE": str(cache)}, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(".so") and built(cache)

@@ -65,9 +65,9 @@ def test_named_recipes_work_from_a_built_wheel(tmp_path):
                    check=True, capture_output=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of any editable install of the checkout
     script = ("import hf_sparsemax, os; from hf_sparsemax.app.recipes import load_recipe; "
-              "from hf_sparsemax.attention import fused; "
+              "from hf_sparsemax.attention import kernel_build; "
               "print(os.path.dirname(hf_sparsemax.__file__)); "
-              "print(load_recipe('default').name, load_recipe('classify').name, os.path.exists(fused.SOURCE))")
+              "print(load_recipe('default').name, load_recipe('classify').name, os.path.exists(kernel_build.SOURCE))")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve_cli(args)
         if args.command == "build-kernels":
-            from ..attention import kernel_build
+            from ..attention import fused
 
-            return kernel_build.main([])
+            return fused.main([])
         return decoding_report_command(args)
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"hf-sparsemax: error: {' '.join(str(error).split())}", file=sys.stderr)

@@ -18,14 +18,13 @@ The cache folder is ``$HF_SPARSEMAX_CACHE``, else ``$XDG_CACHE_HOME/hf_sparsemax
   where another process published first (``EEXIST``), its library is used, so a library another process (or
   host, over NFS) has mapped is never overwritten.
 
-``python -m hf_sparsemax.attention.kernel_build`` (or ``hf-sparsemax build-kernels``) builds ahead of time,
-for container images and read-only homes: point ``HF_SPARSEMAX_CACHE`` at a folder, build there once, and
-processes after load it (a folder they cannot write is fine).
+``hf-sparsemax build-kernels`` (or ``python -m hf_sparsemax.attention.fused``, :func:`.fused.main`) builds
+ahead of time, for container images and read-only homes: point ``HF_SPARSEMAX_CACHE`` at a folder, build
+there once, and processes after load it (a folder they cannot write is fine).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import os
@@ -33,7 +32,6 @@ import platform
 import shlex
 import stat
 import subprocess
-import sys
 import tempfile
 import warnings
 
@@ -205,31 +203,3 @@ def build_library(header: str) -> tuple[str, str | None]:
         if isinstance(error, UnsafePath):
             raise
         return build(FLAGS, header), str(error)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build the CPU kernel ahead of time into the cache folder and print its path."""
-    parser = argparse.ArgumentParser(
-        prog="hf-sparsemax build-kernels",
-        description="Build hf_sparsemax's CPU attention kernel now, into $HF_SPARSEMAX_CACHE (default "
-                    "~/.cache/hf_sparsemax), for container images and read-only homes.")
-    parser.parse_args(argv)
-    from . import fused
-
-    problem = folder_problem(wanted_folder())
-    if problem:  # a build ahead of time that would not be kept fails loudly
-        print(f"hf-sparsemax: error: {problem}", file=sys.stderr)
-        return 1
-    try:
-        path, lost = build_library(fused.header())
-    except (RuntimeError, OSError) as error:
-        print(f"hf-sparsemax: error: the CPU kernel could not be built: {error}", file=sys.stderr)
-        return 1
-    if lost:
-        print(f"hf-sparsemax: built without OpenMP (one thread): {lost[:300]}")
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
