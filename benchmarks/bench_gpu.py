@@ -106,10 +106,12 @@ class Sizes:
     budgets: dict  # section -> seconds
 
 
-GPU_SIZES = Sizes((1024, 4096, 16384), (1024, 4096, 8192), 16384, (2048, 4096), (2048, 4096, 8192), (1, 8), 10, 5, 10, 4096,
-                  {"random": 130, "real": 60, "decode": 30, "train": 80, "inference": 110})
-TINY_SIZES = Sizes((64, 128), (64, 128), 128, (64,), (64,), (1, 2), 4, 1, 1, 64,
-                   {"random": 900, "real": 300, "decode": 300, "train": 300, "inference": 300})
+GPU_SIZES = Sizes(attention=(1024, 4096, 16384), real=(1024, 4096, 8192), fill=16384, train=(2048, 4096),
+                  contexts=(2048, 4096, 8192), batches=(1, 8), steps=10, reps=5, decode_calls=10, target_from=4096,
+                  budgets={"random": 120, "real": 50, "decode": 30, "train": 70, "inference": 100})
+TINY_SIZES = Sizes(attention=(64, 128), real=(64, 128), fill=128, train=(64,), contexts=(64,), batches=(1, 2), steps=4,
+                   reps=1, decode_calls=1, target_from=64,
+                   budgets={"random": 900, "real": 300, "decode": 300, "train": 300, "inference": 300})
 
 
 class Unavailable(Exception):
@@ -270,7 +272,7 @@ def sdpa_contender(mapping, heads):
 
 
 def per_head_alpha(heads: int, alpha: float) -> torch.Tensor:
-    """A learnable pre-alpha ``a`` per head (alpha = 1 + sigmoid(a), as :class:`LearnedAlpha`), starting at ``alpha``."""
+    """A learnable pre-alpha ``a`` per head (alpha = 1 + sigmoid(a), as ``LearnedAlpha``), starting at ``alpha``."""
     start = math.log((alpha - 1) / (2 - alpha))
     return torch.full((heads,), start, device=device(), dtype=torch.float32, requires_grad=True)
 
@@ -447,6 +449,8 @@ class Cells:
             return ms
         except Exception as error:  # noqa: BLE001 - a contender's failure is a table cell
             self.notes.failed(name, error)
+            if device().type == "cuda":
+                torch.cuda.empty_cache()  # after an out-of-memory error, for the next contender
             return None
 
 
