@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -156,7 +157,7 @@ class Report:
         counts = {word: sum(1 for _, w in self.verdicts if w == word) for word in ("met", "MISSED", "not measured")}
         missed = [what for what, word in self.verdicts if word == "MISSED"]
         self.add(f"## Summary\n\nTargets: {counts['met']} met, {counts['MISSED']} MISSED, {counts['not measured']} "
-                 "not measured." + ("\n\nMISSED: " + "; ".join(missed) if missed else ""))
+                 "not measured." + ("\n\nMISSED:\n" + "\n".join(f"- {what}" for what in missed) if missed else ""))
 
 
 def ratio_cell(ms: float | None, base: float | None) -> str:
@@ -486,7 +487,7 @@ def attention_row(report, title, tokens, backward, mapping, times, outs) -> list
     triton = times.get("triton")
     ratio = triton / base if isinstance(triton, float) and base else None
     target = MAPPINGS[mapping][3] if backward else TARGET_FORWARD
-    what = f"{title}, {tokens} tokens, {'fwd+bwd' if backward else 'fwd'}, {mapping}"
+    what = f"{short(title)}, {tokens} tokens, {'fwd+bwd' if backward else 'fwd'}, {mapping}"
     verdict = report.verdict(ratio, target, what) if tokens >= ARGS.sizes.target_from else "reported"
     versus = ""
     ada = times.get("AdaSplash-2")
@@ -535,6 +536,11 @@ def section_decode(report) -> None:
 def capture_shape(capture: dict) -> tuple[int, int, int]:
     """``(query heads, kv heads, head dim)`` of the captured layers."""
     return capture["query"].shape[1], capture["key"].shape[1], capture["query"].shape[-1]
+
+
+def short(title: str) -> str:
+    """A table's title without its parenthesised details, for the summary."""
+    return re.sub(r" \([^)]*\)", "", title)
 
 
 def section_random(report) -> None:
