@@ -99,3 +99,11 @@ def peak_memory_mb(setup: Callable[..., dict[str, Callable[[], None]]], args: tu
     process.join()
     return result
 
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table: one header row, then one line per row (cells shown with ``str``)."""
+    rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"
+    lines = ["| " + " | ".join(headers) + " |", rule]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
