@@ -1,0 +1,177 @@
+"""A decoding step on a GPU in Triton (flash-decoding): few query rows against a KV cache, exact thresholds.
+
+For each query row (``q <= MAX_QUERIES`` rows of each query head; grouped heads share their kv head's cache rows,
+read in place through their strides, no copies):
+
+    s_j = scaling <q, k_j> + mask_j,   m = max_j s_j,   z_j = (alpha - 1)(s_j - m),
+    p_j = relu(z_j - tau) ** (1 / (alpha - 1)),   out = sum_j p_j v_j,
+
+with ``tau`` the exact threshold (``sum_j p_j = 1``). The largest weight is at most 1, so ``tau >= -1`` and only
+the candidates ``z_j > -1`` can weigh (THEORY.md, "Exact KV skipping"). The keys are split over programs
+(flash-decoding): the scoring launch writes each row's scores (``[B, H, q, n]`` float32, the only buffer of that
+size, as the torch path's) and each split's row maxima; one program a row gathers its candidates (few on real
+text) and solves ``tau`` on them in float64 (:mod:`.triton_decode_kernels`: Newton's method from the lower bound
+``tau = -1``, Michelot's algorithm for sparsemax, to ``TOLERANCE`` within ``MAX_ITER`` steps, the eager solver's
+constants); each split then adds ``P V`` over its key blocks with a nonzero weight (the others' value rows are
+never read) and a last launch sums the splits. Scores, threshold and accumulation are float32 (the threshold
+float64), whatever the inputs' dtype (float32, bfloat16, float16); the output has the query's dtype.
+
+``alpha`` is a float in (1, 2] (2: sparsemax, 1.5: 1.5-entmax) or a per-head tensor read at run time (a learned
+alpha recompiles nothing). A row that sees no key gets zeros, a row with a NaN or ``+inf`` score NaN, as the
+torch path (:func:`.decode.decode_attention`). No autograd: inference only.
+
+Triton is imported on first use (the package imports without it); on a machine without a GPU the kernels run under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported), slowly, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from ..mappings.entmax import MAX_ITER, TOLERANCE
+from .decode import MAX_QUERIES
+
+BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smallest tile; fewer rows are padded)
+BLOCK_KEYS = 64  # keys a block
+SOLVE_BLOCK = 1024  # candidates a solver step loads at once
+TARGET_PROGRAMS = 264  # programs of the scoring launch the keys are split to reach (two per H100 multiprocessor)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _next_power(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(alpha: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor([alpha], dtype=torch.float64, device=device)
+
+
+def _kernels():
+    from . import triton_decode_kernels  # imports triton
+
+    return triton_decode_kernels
+
+
+def _check(query, key, value, mask, alpha):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"triton_decode takes query [B, H, q, D] and key / value [B, H_kv, n, D]; got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    batch, heads, rows, dim = query.shape
+    if rows > MAX_QUERIES:
+        raise ValueError(f"triton_decode serves at most {MAX_QUERIES} query rows (a decoding step); got {rows}")
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != batch or key.shape[-1] != dim:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match query "
+                         f"{tuple(query.shape)} (key [B, H_kv, n, D], value [B, H_kv, n, Dv])")
+    if key.shape[1] == 0 or heads % key.shape[1]:
+        raise ValueError(f"{heads} query heads cannot share {key.shape[1]} kv heads (grouped heads: H = G H_kv)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"triton_decode takes float32, bfloat16 or float16 tensors; {name} is {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"triton_decode runs on a CUDA device (tensors on {query.device}); on the CPU only under "
+                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (query, key, value, mask, alpha)):
+        raise ValueError("triton_decode has no backward (a decoding step): call it under torch.no_grad() or with "
+                         "tensors that do not require grad")
+    if mask is not None:
+        if mask.dtype != torch.bool and mask.dtype not in DTYPES:
+            raise ValueError(f"the mask must be boolean (True: seen) or additive float; got {mask.dtype}")
+        try:
+            shape = torch.broadcast_shapes(mask.shape, (batch, heads, rows, key.shape[2]))
+        except RuntimeError:
+            shape = None
+        if shape != (batch, heads, rows, key.shape[2]):
+            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = "
+                             f"{[batch, heads, rows, key.shape[2]]}")
+        if mask.device != query.device:
+            raise ValueError(f"mask is on {mask.device}, query on {query.device}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() != heads:
+            raise ValueError(f"a per-head alpha has one value a query head ({heads}); got shape {tuple(alpha.shape)}")
+        if alpha.device != query.device:
+            raise ValueError(f"alpha is on {alpha.device}, query on {query.device}")
+    elif not (isinstance(alpha, (int, float)) and 1.0 < float(alpha) <= 2.0):
+        raise ValueError(f"alpha must be a float in (1, 2] or a per-head tensor; got {alpha!r}")
+
+
+def splits_for(programs: int, keys: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """``(splits, keys a split)``: the keys split in whole blocks over enough programs to reach ``target`` in all
+    (``programs`` without a split)."""
+    blocks = max(1, math.ceil(keys / BLOCK_KEYS))
+    wanted = min(blocks, max(1, math.ceil(target / programs)))
+    split_len = math.ceil(blocks / wanted) * BLOCK_KEYS
+    return max(1, math.ceil(keys / split_len)), split_len
+
+
+def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits: int | None = None) -> torch.Tensor:
+    """Attention output ``[B, H, q, Dv]`` (the query's dtype) of a decoding step (module docstring).
+
+    ``query [B, H, q, D]`` (``q <= MAX_QUERIES``); ``key [B, H_kv, n, D]``, ``value [B, H_kv, n, Dv]`` (views of a
+    cache, read through their strides); ``mask`` None (every key seen), boolean (True: seen) or additive (an entry
+    at or below its dtype's lowest value: not seen), broadcastable to ``[B, H, q, n]``; ``alpha`` a float in
+    (1, 2] or a tensor of one value a query head; ``scaling`` multiplies ``q.k``; ``splits``: programs the keys
+    are split over a (kv head, row block), for tests (default: enough to fill the GPU).
+    """
+    _check(query, key, value, mask, alpha)
+    kernels = _kernels()
+    batch, heads, q_rows, dim = query.shape
+    kv_heads, keys, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    groups = heads // kv_heads
+    rows = groups * q_rows  # rows a kv head serves
+    device = query.device
+    out = torch.zeros(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
+    if keys == 0 or out.numel() == 0:
+        return out
+    row_blocks = math.ceil(rows / BLOCK_ROWS)
+    programs = batch * kv_heads * row_blocks
+    if splits is None:
+        splits, split_len = splits_for(programs, keys)
+    else:
+        split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / splits) * BLOCK_KEYS
+        splits = math.ceil(keys / split_len)
+    total_rows = batch * heads * q_rows
+    scores = torch.empty(total_rows, keys, dtype=torch.float32, device=device)
+    top = torch.empty(total_rows, splits, dtype=torch.float32, device=device)
+    bad = torch.empty(total_rows, splits, dtype=torch.int32, device=device)
+    if mask is None:
+        mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
+    else:
+        mask = mask.expand(batch, heads, q_rows, keys)
+        mask_strides = mask.stride()
+        if mask.dtype == torch.bool:
+            mask_kind, mask_arg, masked = 1, mask.view(torch.uint8), 0.0
+        else:
+            mask_kind, mask_arg, masked = 2, mask, float(torch.finfo(mask.dtype).min)
+    kernels.scores_kernel[(programs, splits)](
+        query, key, mask_arg, scores, top, bad, *query.stride(), *key.stride(), *mask_strides,
+        kv_heads, groups, q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
+        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=_next_power(dim), MASK_KIND=mask_kind,
+        HALF=query.dtype != torch.float32 and key.dtype != torch.float32)
+    if isinstance(alpha, torch.Tensor):
+        alphas, alpha_stride = alpha.detach().reshape(heads), alpha.detach().reshape(heads).stride(0)
+    else:
+        alphas, alpha_stride = _constant(float(alpha), device), 0
+    candidates = torch.empty(total_rows, keys, dtype=torch.float64, device=device)
+    tau = torch.empty(total_rows, dtype=torch.float64, device=device)
+    top_row = torch.empty(total_rows, dtype=torch.float32, device=device)
+    state = torch.empty(total_rows, dtype=torch.int32, device=device)
+    kernels.solve_kernel[(total_rows,)](
+        scores, top, bad, candidates, alphas, alpha_stride, tau, top_row, state, heads, q_rows, keys, splits,
+        TOLERANCE, MAX_ITER, BLOCK_S=_next_power(splits, 2), BLOCK_C=SOLVE_BLOCK)
+    partial = torch.empty(total_rows, splits, value_dim, dtype=torch.float32, device=device)
+    kernels.values_kernel[(programs, splits)](
+        scores, value, alphas, alpha_stride, tau, top_row, state, partial, *value.stride(), kv_heads, groups,
+        q_rows, rows, keys, value_dim, row_blocks, splits, split_len,
+        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim),
+        HALF=value.dtype != torch.float32)
+    kernels.sum_kernel[(total_rows,)](partial, out, splits, value_dim, BLOCK_S=_next_power(splits, 2),
+                                      BLOCK_DV=_next_power(value_dim), BFLOAT16=query.dtype == torch.bfloat16)
+    return out
