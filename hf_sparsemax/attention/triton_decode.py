@@ -51,6 +51,29 @@ def _constant(alpha: float, device: torch.device) -> torch.Tensor:
     return torch.tensor([alpha], dtype=torch.float64, device=device)
 
 
+_COUNTERS: dict = {}  # device -> int32 counters, one a program, zero between calls (the last program resets its own)
+
+
+def _counters(device: torch.device, programs: int) -> torch.Tensor:
+    """Each (kv head, row block)'s count of finished splits: zeros kept between calls (one stream at a time)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < programs:
+        counters = _COUNTERS[device] = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
+def _workspace(device: torch.device, parts) -> dict:
+    """The temporaries ``{name: tensor}`` of one call, ``parts`` ``(name, dtype, shape)``, carved from one allocation
+    (each 128-byte aligned)."""
+    offsets, size = [], 0
+    for _, dtype, shape in parts:
+        offsets.append(size)
+        size += -(-math.prod(shape) * dtype.itemsize // 128) * 128
+    space = torch.empty(size, dtype=torch.uint8, device=device)
+    return {name: space[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (name, dtype, shape), at in zip(parts, offsets)}
+
+
 def _kernels():
     from . import triton_decode_kernels  # imports triton
 
@@ -127,9 +150,9 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
     groups = heads // kv_heads
     rows = groups * q_rows  # rows a kv head serves
     device = query.device
-    out = torch.zeros(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
-    if keys == 0 or out.numel() == 0:
-        return out
+    if keys == 0 or query.numel() == 0 or value_dim == 0:
+        return torch.zeros(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
+    out = torch.empty(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
     row_blocks = math.ceil(rows / BLOCK_ROWS)
     programs = batch * kv_heads * row_blocks
     if splits is None:
@@ -138,11 +161,13 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
         split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / splits) * BLOCK_KEYS
         splits = math.ceil(keys / split_len)
     total_rows = batch * heads * q_rows
-    scores = torch.empty(total_rows, keys, dtype=torch.float32, device=device)
-    top = torch.empty(total_rows, splits, dtype=torch.float32, device=device)
-    bad = torch.empty(total_rows, splits, dtype=torch.int32, device=device)
+    space = _workspace(device, [
+        ("scores", torch.float32, (total_rows, keys)), ("top", torch.float32, (total_rows, splits)),
+        ("bad", torch.int32, (total_rows, splits)), ("candidates", torch.float64, (total_rows, keys)),
+        ("tau", torch.float64, (total_rows,)), ("top_row", torch.float32, (total_rows,)),
+        ("state", torch.int32, (total_rows,)), ("partial", torch.float32, (total_rows, splits, value_dim))])
     if mask is None:
-        mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
+        mask_kind, mask_arg, mask_strides, masked = 0, space["scores"], (0, 0, 0, 0), 0.0
     else:
         mask = mask.expand(batch, heads, q_rows, keys)
         mask_strides = mask.stride()
@@ -151,27 +176,22 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
         else:
             mask_kind, mask_arg, masked = 2, mask, float(torch.finfo(mask.dtype).min)
     kernels.scores_kernel[(programs, splits)](
-        query, key, mask_arg, scores, top, bad, *query.stride(), *key.stride(), *mask_strides,
-        kv_heads, groups, q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
+        query, key, mask_arg, space["scores"], space["top"], space["bad"], *query.stride(), *key.stride(),
+        *mask_strides, kv_heads, groups, q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
         BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=_next_power(dim), MASK_KIND=mask_kind,
         HALF=query.dtype != torch.float32 and key.dtype != torch.float32)
     if isinstance(alpha, torch.Tensor):
-        alphas, alpha_stride = alpha.detach().reshape(heads), alpha.detach().reshape(heads).stride(0)
+        alphas = alpha.detach().reshape(heads)
+        alpha_stride = alphas.stride(0)
     else:
         alphas, alpha_stride = _constant(float(alpha), device), 0
-    candidates = torch.empty(total_rows, keys, dtype=torch.float64, device=device)
-    tau = torch.empty(total_rows, dtype=torch.float64, device=device)
-    top_row = torch.empty(total_rows, dtype=torch.float32, device=device)
-    state = torch.empty(total_rows, dtype=torch.int32, device=device)
     kernels.solve_kernel[(total_rows,)](
-        scores, top, bad, candidates, alphas, alpha_stride, tau, top_row, state, heads, q_rows, keys, splits,
-        TOLERANCE, MAX_ITER, BLOCK_S=_next_power(splits, 2), BLOCK_C=SOLVE_BLOCK)
-    partial = torch.empty(total_rows, splits, value_dim, dtype=torch.float32, device=device)
+        space["scores"], space["top"], space["bad"], space["candidates"], alphas, alpha_stride, space["tau"],
+        space["top_row"], space["state"], heads, q_rows, keys, splits, TOLERANCE, MAX_ITER,
+        BLOCK_S=_next_power(splits, 2), BLOCK_C=SOLVE_BLOCK)
     kernels.values_kernel[(programs, splits)](
-        scores, value, alphas, alpha_stride, tau, top_row, state, partial, *value.stride(), kv_heads, groups,
-        q_rows, rows, keys, value_dim, row_blocks, splits, split_len,
-        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim),
-        HALF=value.dtype != torch.float32)
-    kernels.sum_kernel[(total_rows,)](partial, out, splits, value_dim, BLOCK_S=_next_power(splits, 2),
-                                      BLOCK_DV=_next_power(value_dim), BFLOAT16=query.dtype == torch.bfloat16)
+        space["scores"], value, alphas, alpha_stride, space["tau"], space["top_row"], space["state"], space["partial"],
+        _counters(device, programs), out, *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim,
+        row_blocks, splits, split_len, BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim),
+        HALF=value.dtype != torch.float32, BFLOAT16=query.dtype == torch.bfloat16)
     return out

@@ -1,6 +1,6 @@
 """The Triton kernels of :mod:`.triton_decode` (imported on first use: the package imports without triton).
 
-Four launches, each a few lines of maths (the notation of :mod:`.triton_decode`):
+Three launches, each a few lines of maths (the notation of :mod:`.triton_decode`):
 
 1. :func:`scores_kernel`, one program per (kv head, block of ``BLOCK_R`` of its group's query rows, split of the
    keys): ``s = scaling q.k + mask`` (``-inf`` where a key is not seen) into the scores buffer, each key block
@@ -12,8 +12,8 @@ Four launches, each a few lines of maths (the notation of :mod:`.triton_decode`)
    where a rounded step leaves it) until a step moves ``tau`` by at most ``tolerance``. For sparsemax
    (``beta = 1``) this is Michelot's algorithm: support sums, closed form ``(sum z - 1) / k``, recount.
 3. :func:`values_kernel`, one program per (kv head, row block, split): ``p = relu(z - tau) ** beta`` and
-   ``P V`` over the key blocks where some row's weight is nonzero (the other value blocks are never read).
-4. :func:`sum_kernel`: the splits' partial outputs summed, in the output's dtype.
+   ``P V`` over the key blocks where some row's weight is nonzero (the other value blocks are never read); the
+   last split of a row block to finish (an atomic count) sums the splits' partial outputs into the output.
 
 A row that sees no key gets 0 and a row with a NaN or ``+inf`` score NaN, as the CPU kernel (:mod:`.fused`).
 """
@@ -138,10 +138,11 @@ def solve_kernel(s_ptr, top_ptr, bad_ptr, c_ptr, alpha_ptr, alpha_stride, tau_pt
 
 
 @triton.jit
-def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_ptr, o_ptr,
+def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_ptr, o_ptr, count_ptr, out_ptr,
                   sv_b, sv_h, sv_n, sv_d, kv_heads, groups, q_rows, rows, keys, value_dim, row_blocks, splits,
                   split_len,
-                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HALF: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HALF: tl.constexpr,
+                  BFLOAT16: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     task = pid // row_blocks
@@ -158,6 +159,7 @@ def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_p
     state = tl.load(state_ptr + out_row, mask=row_ok, other=1)
     solved = row_ok & (state == 0)
     dv = tl.arange(0, BLOCK_DV)
+    out_ok = row_ok[:, None] & (dv[None, :] < value_dim)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     start = split * split_len
     stop = tl.minimum(start + split_len, keys)
@@ -181,22 +183,20 @@ def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_p
                 acc += tl.dot(p - head, v, input_precision="tf32")
             else:
                 acc += tl.dot(p, v, input_precision="ieee")
-    acc = tl.where((state == 2)[:, None], float("nan"), acc)
-    tl.store(o_ptr + (out_row[:, None] * splits + split) * value_dim + dv[None, :], acc,
-             mask=row_ok[:, None] & (dv[None, :] < value_dim))
-
-
-@triton.jit
-def sum_kernel(o_ptr, out_ptr, splits, value_dim, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BFLOAT16: tl.constexpr):
-    row = tl.program_id(0)
-    part = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
-    ok = (part[:, None] < splits) & (dv[None, :] < value_dim)
-    partial = tl.load(o_ptr + (row * splits + part[:, None]) * value_dim + dv[None, :], mask=ok, other=0.0)
-    total = tl.sum(partial, axis=0)
-    if BFLOAT16:  # rounded to nearest (even) by hand: Triton's interpreter truncates float32 to bfloat16
-        bits = total.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        total = bits.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + row * value_dim + dv, total.to(out_ptr.dtype.element_ty), mask=dv < value_dim)
+    tl.store(o_ptr + (out_row[:, None] * splits + split) * value_dim + dv[None, :], acc, mask=out_ok)
+    # The last split of this row block to finish sums the splits' partial outputs (then resets its counter).
+    tl.debug_barrier()
+    finished = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+    if finished == splits - 1:
+        total = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+        for part in range(0, splits):
+            total += tl.load(o_ptr + (out_row[:, None] * splits + part) * value_dim + dv[None, :], mask=out_ok,
+                             other=0.0, cache_modifier=".cg")
+        total = tl.where((state == 2)[:, None], float("nan"), total)  # a NaN or +inf score: NaN
+        if BFLOAT16:  # rounded to nearest (even) by hand: Triton's interpreter truncates float32 to bfloat16
+            bits = total.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            total = bits.to(tl.float32, bitcast=True)
+        tl.store(out_ptr + out_row[:, None] * value_dim + dv[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=out_ok)
+        tl.store(count_ptr + pid, 0)
