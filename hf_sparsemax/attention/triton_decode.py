@@ -39,6 +39,7 @@ BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smal
 BLOCK_KEYS = 64  # keys a block
 SOLVE_BLOCK = 1024  # candidates a solver step loads at once
 TARGET_PROGRAMS = 264  # programs of the scoring launch the keys are split to reach (two per H100 multiprocessor)
+MAX_SPLITS = 128  # ... in at most this many splits (one tile size for every length: no compile as the cache grows)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -129,7 +130,7 @@ def splits_for(programs: int, keys: int, target: int = TARGET_PROGRAMS) -> tuple
     """``(splits, keys a split)``: the keys split in whole blocks over enough programs to reach ``target`` in all
     (``programs`` without a split)."""
     blocks = max(1, math.ceil(keys / BLOCK_KEYS))
-    wanted = min(blocks, max(1, math.ceil(target / programs)))
+    wanted = min(blocks, MAX_SPLITS, max(1, math.ceil(target / programs)))
     split_len = math.ceil(blocks / wanted) * BLOCK_KEYS
     return max(1, math.ceil(keys / split_len)), split_len
 
@@ -158,7 +159,7 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
     if splits is None:
         splits, split_len = splits_for(programs, keys)
     else:
-        split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / splits) * BLOCK_KEYS
+        split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / min(max(splits, 1), MAX_SPLITS)) * BLOCK_KEYS
         splits = math.ceil(keys / split_len)
     total_rows = batch * heads * q_rows
     space = _workspace(device, [
@@ -188,7 +189,7 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
     kernels.solve_kernel[(total_rows,)](
         space["scores"], space["top"], space["bad"], space["candidates"], alphas, alpha_stride, space["tau"],
         space["top_row"], space["state"], heads, q_rows, keys, splits, TOLERANCE, MAX_ITER,
-        BLOCK_S=_next_power(splits, 2), BLOCK_C=SOLVE_BLOCK)
+        BLOCK_S=MAX_SPLITS, BLOCK_C=SOLVE_BLOCK)
     kernels.values_kernel[(programs, splits)](
         space["scores"], value, alphas, alpha_stride, space["tau"], space["top_row"], space["state"], space["partial"],
         _counters(device, programs), out, *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim,
