@@ -63,16 +63,12 @@ def _counters(device: torch.device, programs: int) -> torch.Tensor:
     return counters
 
 
-def _workspace(device: torch.device, parts) -> dict:
-    """The temporaries ``{name: tensor}`` of one call, ``parts`` ``(name, dtype, shape)``, carved from one allocation
-    (each 128-byte aligned)."""
-    offsets, size = [], 0
-    for _, dtype, shape in parts:
-        offsets.append(size)
-        size += -(-math.prod(shape) * dtype.itemsize // 128) * 128
-    space = torch.empty(size, dtype=torch.uint8, device=device)
-    return {name: space[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for (name, dtype, shape), at in zip(parts, offsets)}
+def _workspace(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """Flat temporaries of ``sizes`` elements each, carved from one allocation (each 128-byte aligned: the kernels
+    see only their addresses)."""
+    step = 128 // dtype.itemsize
+    padded = [-(-size // step) * step for size in sizes]
+    return torch.split_with_sizes(torch.empty(sum(padded), dtype=dtype, device=device), padded)
 
 
 def _kernels():
@@ -108,13 +104,9 @@ def _check(query, key, value, mask, alpha):
     if mask is not None:
         if mask.dtype != torch.bool and mask.dtype not in DTYPES:
             raise ValueError(f"the mask must be boolean (True: seen) or additive float; got {mask.dtype}")
-        try:
-            shape = torch.broadcast_shapes(mask.shape, (batch, heads, rows, key.shape[2]))
-        except RuntimeError:
-            shape = None
-        if shape != (batch, heads, rows, key.shape[2]):
-            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = "
-                             f"{[batch, heads, rows, key.shape[2]]}")
+        full = (batch, heads, rows, key.shape[2])
+        if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], full[::-1])):
+            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = {list(full)}")
         if mask.device != query.device:
             raise ValueError(f"mask is on {mask.device}, query on {query.device}")
     if isinstance(alpha, torch.Tensor):
@@ -162,37 +154,35 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
         split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / min(max(splits, 1), MAX_SPLITS)) * BLOCK_KEYS
         splits = math.ceil(keys / split_len)
     total_rows = batch * heads * q_rows
-    space = _workspace(device, [
-        ("scores", torch.float32, (total_rows, keys)), ("top", torch.float32, (total_rows, splits)),
-        ("bad", torch.int32, (total_rows, splits)), ("candidates", torch.float64, (total_rows, keys)),
-        ("tau", torch.float64, (total_rows,)), ("top_row", torch.float32, (total_rows,)),
-        ("state", torch.int32, (total_rows,)), ("partial", torch.float32, (total_rows, splits, value_dim))])
+    scores, top, top_row, partial = _workspace(device, torch.float32, [
+        total_rows * keys, total_rows * splits, total_rows, total_rows * splits * value_dim])
+    candidates, tau = _workspace(device, torch.float64, [total_rows * keys, total_rows])
+    bad, state = _workspace(device, torch.int32, [total_rows * splits, total_rows])
     if mask is None:
-        mask_kind, mask_arg, mask_strides, masked = 0, space["scores"], (0, 0, 0, 0), 0.0
-    else:
-        mask = mask.expand(batch, heads, q_rows, keys)
-        mask_strides = mask.stride()
+        mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
+    else:  # broadcast dimensions read with stride 0
+        mask_strides = [0] * (4 - mask.dim()) + [0 if size == 1 else step for size, step in
+                                                 zip(mask.shape, mask.stride())]
         if mask.dtype == torch.bool:
             mask_kind, mask_arg, masked = 1, mask.view(torch.uint8), 0.0
         else:
             mask_kind, mask_arg, masked = 2, mask, float(torch.finfo(mask.dtype).min)
     kernels.scores_kernel[(programs, splits)](
-        query, key, mask_arg, space["scores"], space["top"], space["bad"], *query.stride(), *key.stride(),
-        *mask_strides, kv_heads, groups, q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
+        query, key, mask_arg, scores, top, bad, *query.stride(), *key.stride(), *mask_strides, kv_heads, groups,
+        q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
         BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=_next_power(dim), MASK_KIND=mask_kind,
         HALF=query.dtype != torch.float32 and key.dtype != torch.float32)
-    if isinstance(alpha, torch.Tensor):
-        alphas = alpha.detach().reshape(heads)
+    if isinstance(alpha, torch.Tensor):  # read per head in the kernels, as it is: no copy, no host read
+        alphas = alpha.reshape(heads)
         alpha_stride = alphas.stride(0)
     else:
         alphas, alpha_stride = _constant(float(alpha), device), 0
     kernels.solve_kernel[(total_rows,)](
-        space["scores"], space["top"], space["bad"], space["candidates"], alphas, alpha_stride, space["tau"],
-        space["top_row"], space["state"], heads, q_rows, keys, splits, TOLERANCE, MAX_ITER,
-        BLOCK_S=MAX_SPLITS, BLOCK_C=SOLVE_BLOCK)
+        scores, top, bad, candidates, alphas, alpha_stride, tau, top_row, state, heads, q_rows, keys, splits,
+        TOLERANCE, MAX_ITER, BLOCK_S=MAX_SPLITS, BLOCK_C=SOLVE_BLOCK)
     kernels.values_kernel[(programs, splits)](
-        space["scores"], value, alphas, alpha_stride, space["tau"], space["top_row"], space["state"], space["partial"],
-        _counters(device, programs), out, *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim,
-        row_blocks, splits, split_len, BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim),
-        HALF=value.dtype != torch.float32, BFLOAT16=query.dtype == torch.bfloat16)
+        scores, value, alphas, alpha_stride, tau, top_row, state, partial, _counters(device, programs), out,
+        *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim, row_blocks, splits, split_len,
+        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim), HALF=value.dtype != torch.float32,
+        BFLOAT16=query.dtype == torch.bfloat16)
     return out
