@@ -13,8 +13,11 @@ size, as the torch path's) and each split's row maxima; one program a row gather
 text) and solves ``tau`` on them in float64 (:mod:`.triton_decode_kernels`: Newton's method from the lower bound
 ``tau = -1``, Michelot's algorithm for sparsemax, to ``TOLERANCE`` within ``MAX_ITER`` steps, the eager solver's
 constants); each split then adds ``P V`` over its key blocks with a nonzero weight (the others' value rows are
-never read) and a last launch sums the splits. Scores, threshold and accumulation are float32 (the threshold
-float64), whatever the inputs' dtype (float32, bfloat16, float16); the output has the query's dtype.
+never read), and the last split of each row block to finish sums the splits' partial outputs (a count per row
+block, kept at zero between calls: calls on one stream at a time). Three launches, temporaries from three
+allocations. Scores, threshold and accumulation are float32 (the threshold float64), whatever the inputs' dtype
+(float32, bfloat16, float16: half queries and keys are exact in tf32, so their products use tensor cores); the
+output has the query's dtype.
 
 ``alpha`` is a float in (1, 2] (2: sparsemax, 1.5: 1.5-entmax) or a per-head tensor read at run time (a learned
 alpha recompiles nothing). A row that sees no key gets zeros, a row with a NaN or ``+inf`` score NaN, as the
