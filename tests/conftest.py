@@ -11,9 +11,15 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-from hf_sparsemax.mappings import compiled
+# Without a GPU the Triton kernels' tests run under Triton's interpreter, which must be chosen before triton is first
+# imported (torch's compiler imports it below): triton's own reductions are jit functions decorated at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from hf_sparsemax.mappings import compiled  # noqa: E402
 
 settings.register_profile(
     "dev", max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "60")), deadline=None, print_blob=True,

@@ -1,0 +1,191 @@
+"""A decoding step on a GPU in Triton (flash-decoding): few query rows against a KV cache, exact thresholds.
+
+For each query row (``q <= MAX_QUERIES`` rows of each query head; grouped heads share their kv head's cache rows,
+read in place through their strides, no copies):
+
+    s_j = scaling <q, k_j> + mask_j,   m = max_j s_j,   z_j = (alpha - 1)(s_j - m),
+    p_j = relu(z_j - tau) ** (1 / (alpha - 1)),   out = sum_j p_j v_j,
+
+with ``tau`` the exact threshold (``sum_j p_j = 1``). The largest weight is at most 1, so ``tau >= -1`` and only
+the candidates ``z_j > -1`` can weigh (THEORY.md, "Exact KV skipping"). The keys are split over programs
+(flash-decoding): the scoring launch writes each row's scores (``[B, H, q, n]`` float32, the only buffer of that
+size, as the torch path's) and each split's row maxima; one program a row gathers its candidates (few on real
+text) and solves ``tau`` on them in float64 (:mod:`.triton_decode_kernels`: Newton's method from the lower bound
+``tau = -1``, Michelot's algorithm for sparsemax, to ``TOLERANCE`` within ``MAX_ITER`` steps, the eager solver's
+constants); each split then adds ``P V`` over its key blocks with a nonzero weight (the others' value rows are
+never read), and the last split of each row block to finish sums the splits' partial outputs (a count per row
+block, kept at zero between calls: calls on one stream at a time). Three launches, temporaries from three
+allocations. Scores, threshold and accumulation are float32 (the threshold float64), whatever the inputs' dtype
+(float32, bfloat16, float16: half queries and keys are exact in tf32, so their products use tensor cores); the
+output has the query's dtype.
+
+``alpha`` is a float in (1, 2] (2: sparsemax, 1.5: 1.5-entmax) or a per-head tensor read at run time (a learned
+alpha recompiles nothing). A row that sees no key gets zeros, a row with a NaN or ``+inf`` score NaN, as the
+torch path (:func:`.decode.decode_attention`). No autograd: inference only.
+
+Triton is imported on first use (the package imports without it); on a machine without a GPU the kernels run under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported), slowly, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from ..mappings.entmax import MAX_ITER, TOLERANCE
+from .decode import MAX_QUERIES
+
+BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smallest tile; fewer rows are padded)
+BLOCK_KEYS = 64  # keys a block
+SOLVE_BLOCK = 1024  # candidates a solver step loads at once
+TARGET_PROGRAMS = 264  # programs of the scoring launch the keys are split to reach (two per H100 multiprocessor)
+MAX_SPLITS = 128  # ... in at most this many splits (one tile size for every length: no compile as the cache grows)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _next_power(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(alpha: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor([alpha], dtype=torch.float64, device=device)
+
+
+_COUNTERS: dict = {}  # device -> int32 counters, one a program, zero between calls (the last program resets its own)
+
+
+def _counters(device: torch.device, programs: int) -> torch.Tensor:
+    """Each (kv head, row block)'s count of finished splits: zeros kept between calls (one stream at a time)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < programs:
+        counters = _COUNTERS[device] = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """Flat temporaries of ``sizes`` elements each, carved from one allocation (each 128-byte aligned: the kernels
+    see only their addresses)."""
+    step = 128 // dtype.itemsize
+    padded = [-(-size // step) * step for size in sizes]
+    return torch.split_with_sizes(torch.empty(sum(padded), dtype=dtype, device=device), padded)
+
+
+def _kernels():
+    from . import triton_decode_kernels  # imports triton
+
+    return triton_decode_kernels
+
+
+def _check(query, key, value, mask, alpha):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"triton_decode takes query [B, H, q, D] and key / value [B, H_kv, n, D]; got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    batch, heads, rows, dim = query.shape
+    if rows > MAX_QUERIES:
+        raise ValueError(f"triton_decode serves at most {MAX_QUERIES} query rows (a decoding step); got {rows}")
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != batch or key.shape[-1] != dim:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match query "
+                         f"{tuple(query.shape)} (key [B, H_kv, n, D], value [B, H_kv, n, Dv])")
+    if key.shape[1] == 0 or heads % key.shape[1]:
+        raise ValueError(f"{heads} query heads cannot share {key.shape[1]} kv heads (grouped heads: H = G H_kv)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"triton_decode takes float32, bfloat16 or float16 tensors; {name} is {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"triton_decode runs on a CUDA device (tensors on {query.device}); on the CPU only under "
+                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (query, key, value, mask, alpha)):
+        raise ValueError("triton_decode has no backward (a decoding step): call it under torch.no_grad() or with "
+                         "tensors that do not require grad")
+    if mask is not None:
+        if mask.dtype != torch.bool and mask.dtype not in DTYPES:
+            raise ValueError(f"the mask must be boolean (True: seen) or additive float; got {mask.dtype}")
+        full = (batch, heads, rows, key.shape[2])
+        if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], full[::-1])):
+            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = {list(full)}")
+        if mask.device != query.device:
+            raise ValueError(f"mask is on {mask.device}, query on {query.device}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() != heads:
+            raise ValueError(f"a per-head alpha has one value a query head ({heads}); got shape {tuple(alpha.shape)}")
+        if alpha.device != query.device:
+            raise ValueError(f"alpha is on {alpha.device}, query on {query.device}")
+    elif not (isinstance(alpha, (int, float)) and 1.0 < float(alpha) <= 2.0):
+        raise ValueError(f"alpha must be a float in (1, 2] or a per-head tensor; got {alpha!r}")
+
+
+def splits_for(programs: int, keys: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """``(splits, keys a split)``: the keys split in whole blocks over enough programs to reach ``target`` in all
+    (``programs`` without a split)."""
+    blocks = max(1, math.ceil(keys / BLOCK_KEYS))
+    wanted = min(blocks, MAX_SPLITS, max(1, math.ceil(target / programs)))
+    split_len = math.ceil(blocks / wanted) * BLOCK_KEYS
+    return max(1, math.ceil(keys / split_len)), split_len
+
+
+def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits: int | None = None) -> torch.Tensor:
+    """Attention output ``[B, H, q, Dv]`` (the query's dtype) of a decoding step (module docstring).
+
+    ``query [B, H, q, D]`` (``q <= MAX_QUERIES``); ``key [B, H_kv, n, D]``, ``value [B, H_kv, n, Dv]`` (views of a
+    cache, read through their strides); ``mask`` None (every key seen), boolean (True: seen) or additive (an entry
+    at or below its dtype's lowest value: not seen), broadcastable to ``[B, H, q, n]``; ``alpha`` a float in
+    (1, 2] or a tensor of one value a query head; ``scaling`` multiplies ``q.k``; ``splits``: programs the keys
+    are split over a (kv head, row block), for tests (default: enough to fill the GPU).
+    """
+    _check(query, key, value, mask, alpha)
+    kernels = _kernels()
+    batch, heads, q_rows, dim = query.shape
+    kv_heads, keys, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    groups = heads // kv_heads
+    rows = groups * q_rows  # rows a kv head serves
+    device = query.device
+    if keys == 0 or query.numel() == 0 or value_dim == 0:
+        return torch.zeros(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
+    out = torch.empty(batch, heads, q_rows, value_dim, dtype=query.dtype, device=device)
+    row_blocks = math.ceil(rows / BLOCK_ROWS)
+    programs = batch * kv_heads * row_blocks
+    if splits is None:
+        splits, split_len = splits_for(programs, keys)
+    else:
+        split_len = math.ceil(math.ceil(keys / BLOCK_KEYS) / min(max(splits, 1), MAX_SPLITS)) * BLOCK_KEYS
+        splits = math.ceil(keys / split_len)
+    total_rows = batch * heads * q_rows
+    scores, top, top_row, partial = _workspace(device, torch.float32, [
+        total_rows * keys, total_rows * splits, total_rows, total_rows * splits * value_dim])
+    candidates, tau = _workspace(device, torch.float64, [total_rows * keys, total_rows])
+    bad, state = _workspace(device, torch.int32, [total_rows * splits, total_rows])
+    if mask is None:
+        mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
+    else:  # broadcast dimensions read with stride 0
+        mask_strides = [0] * (4 - mask.dim()) + [0 if size == 1 else step for size, step in
+                                                 zip(mask.shape, mask.stride())]
+        if mask.dtype == torch.bool:
+            mask_kind, mask_arg, masked = 1, mask.view(torch.uint8), 0.0
+        else:
+            mask_kind, mask_arg, masked = 2, mask, float(torch.finfo(mask.dtype).min)
+    kernels.scores_kernel[(programs, splits)](
+        query, key, mask_arg, scores, top, bad, *query.stride(), *key.stride(), *mask_strides, kv_heads, groups,
+        q_rows, rows, keys, dim, row_blocks, splits, split_len, float(scaling), masked,
+        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=_next_power(dim), MASK_KIND=mask_kind,
+        HALF=query.dtype != torch.float32 and key.dtype != torch.float32)
+    if isinstance(alpha, torch.Tensor):  # read per head in the kernels, as it is: no copy, no host read
+        alphas = alpha.reshape(heads)
+        alpha_stride = alphas.stride(0)
+    else:
+        alphas, alpha_stride = _constant(float(alpha), device), 0
+    kernels.solve_kernel[(total_rows,)](
+        scores, top, bad, candidates, alphas, alpha_stride, tau, top_row, state, heads, q_rows, keys, splits,
+        TOLERANCE, MAX_ITER, BLOCK_S=MAX_SPLITS, BLOCK_C=SOLVE_BLOCK)
+    kernels.values_kernel[(programs, splits)](
+        scores, value, alphas, alpha_stride, tau, top_row, state, partial, _counters(device, programs), out,
+        *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim, row_blocks, splits, split_len,
+        BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim), HALF=value.dtype != torch.float32,
+        BFLOAT16=query.dtype == torch.bfloat16)
+    return out
