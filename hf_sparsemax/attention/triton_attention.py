@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 
 import torch
 
@@ -190,9 +191,12 @@ def _mask_operand(mask, query, key):
 
 
 def _kernels():
-    from . import _triton_kernels  # imports triton: on first use only
+    """The kernels module (it imports triton: on first use only)."""
+    from ._triton_kernels import (attention_backward_kv, attention_backward_q, attention_backward_rows,
+                                  attention_forward)
 
-    return _triton_kernels
+    return types.SimpleNamespace(attention_forward=attention_forward, attention_backward_rows=attention_backward_rows,
+                                 attention_backward_q=attention_backward_q, attention_backward_kv=attention_backward_kv)
 
 
 def _layout(query, key):
