@@ -16,7 +16,10 @@ if not CUDA:
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+if not CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip("Triton's interpreter before 3.9 cannot loop to a bound computed from program_id (NumPy 2)",
+                allow_module_level=True)
 
 import hf_sparsemax as hs  # noqa: E402
 from hf_sparsemax.attention import triton_attention as ta  # noqa: E402

@@ -86,22 +86,17 @@ def _weights(u, alpha, beta):
     return p, s
 
 
-@device_function
-def _reach(tmax, m, tau, am1, skip):
-    """Whether a tile whose largest score is ``tmax`` holds some ``am1 (x - m) > tau`` in a row not ``skip``ped."""
-    return _max(tl.where(skip, float("-inf"), am1 * (tmax - m) - tau)) > 0
-
-
 @triton.jit
 def attention_forward(
-    Q, K, V, M, ALPHA, O, T, TMAX, LIVE,
+    Q, K, V, M, ALPHA, O, T, LIVE,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sob, soh, som, sod,
     H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Output ``O``, thresholds ``T`` (``m + tau / am1``, score units; ``+inf`` for a row that sees no key, NaN for a
-    row not settled) and the live tiles ``LIVE`` (some weight nonzero) of one block of query rows."""
+    row not settled) and the live tiles ``LIVE`` (some weight nonzero) of one block of query rows. Every pass visits
+    every tile its rows may see (no data-dependent branch: the loads stay pipelined)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -122,7 +117,7 @@ def attention_forward(
         hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
     tiles = (pid_bh * n_mblocks + pid_m) * n_nblocks
 
-    # pass 1: each row's maximum, each tile's
+    # pass 1: each row's maximum
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_b
@@ -131,7 +126,6 @@ def attention_forward(
         x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
                          HAS_MASK, MASK_BOOL, CAUSAL)
         m = tl.maximum(m, _max(x, 1))
-        tl.store(TMAX + tiles + start_n // BLOCK_N, _max(x))
     dead = m == float("-inf")  # every key masked (or a row past the end): weights 0
     m = tl.where(dead, 0.0, m)
 
@@ -147,21 +141,20 @@ def attention_forward(
         slope = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 1)
         lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (1.5-entmax's closed form)
         for start_n in range(0, hi, BLOCK_N):
-            if _reach(tl.load(TMAX + tiles + start_n // BLOCK_N), m, tau, am1, done):
-                offs_n = start_n + offs_b
-                k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv,
-                            other=0.0)
-                x = _dot(q, tl.trans(k), PRECISION) * scaling
-                x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
-                                 HAS_MASK, MASK_BOOL, CAUSAL)
-                u = am1 * (x - m[:, None]) - tau[:, None]
-                inside = u > 0
-                u = tl.where(inside, u, 0.0)
-                p, s = _weights(u, alpha, beta)
-                count += _sum(inside.to(tl.float32), 1)
-                total += _sum(p, 1)
-                slope += _sum(s, 1)
-                lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
+            offs_n = start_n + offs_b
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv,
+                        other=0.0)
+            x = _dot(q, tl.trans(k), PRECISION) * scaling
+            x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
+                             HAS_MASK, MASK_BOOL, CAUSAL)
+            u = am1 * (x - m[:, None]) - tau[:, None]
+            inside = u > 0
+            u = tl.where(inside, u, 0.0)
+            p, s = _weights(u, alpha, beta)
+            count += _sum(inside.to(tl.float32), 1)
+            total += _sum(p, 1)
+            slope += _sum(s, 1)
+            lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
         if alpha == 2.0:  # norm = total ** (alpha - 1)
             norm = total
         elif alpha == 1.5:
@@ -171,8 +164,8 @@ def attention_forward(
         norm = tl.where(total > 0, norm, 1.0)
         step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)
         settled = tl.abs(step) <= tolerance
-        if alpha == 2.0:  # Michelot: the support stopped changing, tau is exact
-            settled = settled | (count == previous)
+        if alpha == 2.0:  # Michelot: exact once the support stops changing; the step keeps every candidate (each
+            settled = settled | (count == previous) | ((lowest > step) & (count > 0))  # u > step): it has stopped
         elif alpha == 1.5:  # the closed form on the current candidates, exact when it keeps them all
             disc = slope * slope - count * (total - 1.0)
             denominator = slope + tl.sqrt(tl.maximum(disc, 0.0))
@@ -191,20 +184,17 @@ def attention_forward(
     acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
     mass = tl.full([BLOCK_M], 0.0, tl.float32)
     for start_n in range(0, hi, BLOCK_N):
-        live = 0
-        if _reach(tl.load(TMAX + tiles + start_n // BLOCK_N), m, tau, am1, dead):
-            offs_n = start_n + offs_b
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
-            x = _dot(q, tl.trans(k), PRECISION) * scaling
-            x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
-                             HAS_MASK, MASK_BOOL, CAUSAL)
-            u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
-            p, s = _weights(u, alpha, beta)
-            mass += _sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
-            acc += _dot(p.to(v.dtype), v, PRECISION)
-            live = tl.where(_max(p) > 0, 1, 0)
-        tl.store(LIVE + tiles + start_n // BLOCK_N, live)
+        offs_n = start_n + offs_b
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
+        x = _dot(q, tl.trans(k), PRECISION) * scaling
+        x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
+                         HAS_MASK, MASK_BOOL, CAUSAL)
+        u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
+        p, s = _weights(u, alpha, beta)
+        mass += _sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
+        acc += _dot(p.to(v.dtype), v, PRECISION)
+        tl.store(LIVE + tiles + start_n // BLOCK_N, tl.where(_max(p) > 0, 1, 0))
     wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
     acc = tl.where(wrong[:, None], float("nan"), acc)
     t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
@@ -267,8 +257,10 @@ def attention_backward_rows(
     gp_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     plogp_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     gplogp_sum = tl.full([BLOCK_M], 0.0, tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        if tl.load(LIVE + tiles + start_n // BLOCK_N) != 0:
+    flag = tl.load(LIVE + tiles, mask=hi > 0, other=0)
+    for start_n in range(0, hi, BLOCK_N):  # the next tile's bit read ahead: its latency overlaps this tile's work
+        upcoming = tl.load(LIVE + tiles + start_n // BLOCK_N + 1, mask=start_n + BLOCK_N < hi, other=0)
+        if flag != 0:
             k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, t, alpha, am1,
                                      beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
                                      HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
@@ -279,6 +271,7 @@ def attention_backward_rows(
                 gp_sum += _sum(g * p, 1)
                 plogp_sum += _sum(plogp, 1)
                 gplogp_sum += _sum(g * plogp, 1)
+        flag = upcoming
     delta = tl.where(s_sum > 0, sg_sum / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
     tl.store(DELTA + pid_bh * n_q + offs_m, delta, mask=row)
     if ALPHA_GRAD:
@@ -318,13 +311,16 @@ def attention_backward_q(
         hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
     tiles = (pid_bh * n_mblocks + pid_m) * n_nblocks
     dq = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        if tl.load(LIVE + tiles + start_n // BLOCK_N) != 0:
+    flag = tl.load(LIVE + tiles, mask=hi > 0, other=0)
+    for start_n in range(0, hi, BLOCK_N):  # the next tile's bit read ahead: its latency overlaps this tile's work
+        upcoming = tl.load(LIVE + tiles + start_n // BLOCK_N + 1, mask=start_n + BLOCK_N < hi, other=0)
+        if flag != 0:
             k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, t, alpha, am1,
                                      beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
                                      HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
             ds = s * (g - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PRECISION)
+        flag = upcoming
     dq = dq * scaling
     tl.store(DQ + pid_bh * n_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row[:, None])
@@ -362,8 +358,11 @@ def attention_backward_kv(
         am1 = alpha - 1.0
         beta = 1.0 / am1
         bh = b * H + h
+        column = LIVE + bh * n_mblocks * n_nblocks + pid_n  # this key block's bits, one a block of queries
+        flag = tl.load(column + (lo // BLOCK_M) * n_nblocks, mask=lo < n_q, other=0)
         for start_m in range(lo, n_q, BLOCK_M):
-            if tl.load(LIVE + (bh * n_mblocks + start_m // BLOCK_M) * n_nblocks + pid_n) != 0:
+            upcoming = tl.load(column + (start_m // BLOCK_M + 1) * n_nblocks, mask=start_m + BLOCK_M < n_q, other=0)
+            if flag != 0:
                 offs_m = start_m + offs_b
                 row = offs_m < n_q
                 q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None],
@@ -378,6 +377,7 @@ def attention_backward_kv(
                 ds = s * (g - delta[:, None])
                 dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
                 dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+            flag = upcoming
     dk = dk * scaling
     out = pid_bh * n_kv * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     keys = offs_n[:, None] < n_kv

@@ -7,17 +7,20 @@ For each head (alpha read per head at run time from a float32 tensor: a learned 
 ``m`` the row maximum and ``tau`` in [-1, 0] the row's exact threshold (``sum p = 1``). Per block of query rows
 the forward (:func:`._triton_kernels.attention_forward`) makes passes over the key blocks, recomputing ``q k^T``:
 
-1. the row maxima, and each tile's maximum (a ``[B, H, q / BLOCK_M, kv / BLOCK_N]`` scratch);
+1. the row maxima;
 2. the threshold by Newton on ``h(tau) = ||relu(z - tau)||_beta - 1`` (``z = (alpha - 1)(x - m)``, ``beta =
    1 / (alpha - 1)``) from the lower bound ``tau = -1``: ``h`` is convex and decreasing, so each pass rises
    monotonically towards the root (THEORY.md, "alpha-entmax"). Sparsemax (alpha 2): Newton is Michelot's
-   algorithm, exact once the support stops changing. 1.5-entmax: each pass also tries the closed form on the
-   current candidates (``sum (z - tau)^2 = 1``), exact when it keeps every candidate. Other alphas: stopped once
-   a step moves tau by at most ``TOLERANCE``. A row not settled in ``MAX_PASSES`` passes gets NaN (never a
-   silent wrong answer; it does not happen for alpha in [1.125, 2]); each pass skips the tiles whose maximum
-   lies below every pending row's threshold;
-3. ``P V`` over the tiles with a nonzero weight, their bits kept (``LIVE``, one byte a tile) for the backward,
-   and each row's ``sum p`` checked against 1 (``NORM_TOLERANCE``; NaN if not).
+   algorithm, exact once the support stops changing (certified in the same pass when the step keeps every
+   candidate). 1.5-entmax: each pass also tries the closed form on the current candidates
+   (``sum (z - tau)^2 = 1``), exact when it keeps every candidate. Other alphas: stopped once a step moves tau
+   by at most ``TOLERANCE``. A row not settled in ``MAX_PASSES`` passes gets NaN (never a silent wrong answer;
+   it does not happen for alpha in [1.125, 2]);
+3. ``P V``, the tiles with a nonzero weight kept as bits (``LIVE``, one byte a tile) for the backward, and each
+   row's ``sum p`` checked against 1 (``NORM_TOLERANCE``; NaN if not).
+
+Every forward pass visits every tile its rows may see (masked keys cost their share of ``q k^T``, nothing
+else): a data-dependent branch per tile would stall the pipelined loads, and the products are cheap beside them.
 
 Saved for backward: ``Q, K, V`` and one float32 a row, ``t = m + tau / (alpha - 1)`` (score units; ``+inf`` for
 a row that sees no key: weights 0, as the torch path), plus the tile bits; nothing of size ``q x kv``. The
@@ -47,8 +50,9 @@ import torch
 from ..mappings._core import DENSE_MAX_ITER, DENSE_TOLERANCE_ULPS
 from ..mappings.entmax import precise_in_float32
 
-BLOCK = 64  # query rows and keys a tile on a GPU (tl.dot tiles of 64 x 64 x D)
-INTERPRET_BLOCK = 16  # ... under the interpreter (the smallest tl.dot tile; small tests stay fast)
+BLOCK_M, BLOCK_N = 64, 64  # query rows and keys a tile on a GPU (tl.dot tiles of BLOCK_M x BLOCK_N x D)
+NUM_WARPS, NUM_STAGES = 4, 3  # launch options of every kernel on a GPU (Triton's defaults)
+INTERPRET_BLOCK = 16  # rows and keys a tile under the interpreter (the smallest tl.dot tile; small tests stay fast)
 MAX_PASSES = DENSE_MAX_ITER  # threshold passes over the keys, as the CPU path's whole-row Newton
 TOLERANCE = DENSE_TOLERANCE_ULPS * torch.finfo(torch.float32).eps  # a Newton step this small settles a row
 NORM_TOLERANCE = 1e-3  # |sum p - 1| above this marks a row NaN (a certificate, far above float32 rounding)
@@ -200,10 +204,12 @@ def _kernels():
 
 
 def _layout(query, key):
-    """Tile sizes and counts, and the dot precision of the operands' dtype."""
-    block = INTERPRET_BLOCK if interpreting() else BLOCK
-    n_m, n_n = -(-query.shape[2] // block), -(-key.shape[2] // block)
-    return block, n_m, n_n, "ieee" if query.dtype == torch.float32 else "tf32"
+    """``(launch options, tile counts, dot precision)``: the tile sizes and warps, the query and key blocks, and
+    IEEE float32 products for float32 operands."""
+    block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpreting() else (BLOCK_M, BLOCK_N)
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    n_m, n_n = -(-query.shape[2] // block_m), -(-key.shape[2] // block_n)
+    return launch, n_m, n_n, "ieee" if query.dtype == torch.float32 else "tf32"
 
 
 def _mask_args(mask):
@@ -212,29 +218,28 @@ def _mask_args(mask):
 
 def _forward(query, key, value, alphas, mask, mask_floor, causal, scaling):
     batch, heads, n_q, dim = query.shape
-    block, n_m, n_n, precision = _layout(query, key)
+    launch, n_m, n_n, precision = _layout(query, key)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     t = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
-    tile_max = torch.empty(batch, heads, n_m, n_n, dtype=torch.float32, device=query.device)
     live = torch.zeros(batch, heads, n_m, n_n, dtype=torch.int8, device=query.device)
     mask_ptr, *mask_strides = _mask_args(mask)
     _kernels().attention_forward[(n_m, batch * heads)](
-        query, key, value, mask_ptr, alphas, out, t, tile_max, live,
+        query, key, value, mask_ptr, alphas, out, t, live,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads, heads // key.shape[1], n_q, key.shape[2], n_m, n_n, scaling, mask_floor, TOLERANCE, NORM_TOLERANCE,
         MAX_PASSES, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-        CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, HEAD_D=dim, PRECISION=precision)
+        CAUSAL=causal, HEAD_D=dim, PRECISION=precision, **launch)
     return out, t, live
 
 
 def _backward(query, key, value, alphas, mask, mask_floor, causal, scaling, t, live, grad_out, alpha_grad):
     batch, heads, n_q, dim = query.shape
     kv_heads, n_kv = key.shape[1], key.shape[2]
-    block, n_m, n_n, precision = _layout(query, key)
+    launch, n_m, n_n, precision = _layout(query, key)
     kernels = _kernels()
     mask_ptr, *mask_strides = _mask_args(mask)
     common = dict(HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-                  CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, HEAD_D=dim, PRECISION=precision)
+                  CAUSAL=causal, HEAD_D=dim, PRECISION=precision, **launch)
     sizes = (heads, heads // kv_heads, n_q, n_kv, n_m, n_n, scaling, mask_floor)
     strides = (*query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride())
     delta = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
