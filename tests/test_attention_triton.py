@@ -265,3 +265,43 @@ def test_auto_on_cpu_takes_the_torch_path(monkeypatch):
     model = hs.patch_model(tiny_llama().cpu(), attn="sparsemax")
     out = model(input_ids=torch.randint(1, 64, (1, 8)))
     assert torch.isfinite(out.logits).all()
+
+
+def test_a_row_not_settled_is_nan_never_silently_wrong(monkeypatch):
+    """With too few threshold passes allowed, the rows that needed more come out NaN (output and saved threshold),
+    the settled ones exact."""
+    query, key, value = operands(seed=4)
+    monkeypatch.setattr(ta, "MAX_PASSES", 1)
+    out = triton_attention(query, key, value, None, causal=True, alpha=1.3, scaling=0.3)
+    ref, _ = oracle(query, key, value, None, causal=True, alpha=1.3, scaling=0.3)
+    nan = torch.isnan(out).any(-1)
+    assert nan.any() and not nan.all()
+    torch.testing.assert_close(out[~nan].double(), ref[~nan], atol=2e-5, rtol=2e-5)
+
+
+def test_a_mask_longer_than_the_keys_and_broadcast_over_queries():
+    """transformers may pass a mask wider than the keys (a static cache's slots) and a mask row shared by every
+    query ([B, 1, 1, kv]): read through strides, the extra columns ignored."""
+    query, key, value = operands(batch=2, n_q=5, n_kv=30, seed=8)
+    wide = torch.zeros(2, 1, 1, 36)
+    wide[0, ..., :4] = torch.finfo(torch.float32).min  # left padding of the first batch row
+    wide[..., 30:] = torch.finfo(torch.float32).min  # unwritten slots
+    check(query, key, value, wide.to(DEVICE), causal=False, alpha=1.5)
+
+
+def test_decoding_calls_take_the_decoding_kernel_where_present(monkeypatch):
+    """routing.decode_kernel() is the one switch for decoding calls (a few query rows, no gradient)."""
+    from hf_sparsemax.attention import routing
+
+    seen = []
+
+    def fake_decode(query, key, value, mask, *, alpha, scaling):
+        seen.append((query.shape[-2], alpha, scaling))
+        return triton_attention(query, key, value, mask, alpha=alpha, scaling=scaling)
+
+    monkeypatch.setattr(routing, "decode_kernel", lambda: fake_decode)
+    model = hs.patch_model(tiny_llama(), attn="entmax15", attn_options={"kernel": "triton"})
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    assert [q for q, _, _ in seen] == [1, 1] and seen[0][1] == 1.5  # the step after the prefill, 2 layers
