@@ -23,8 +23,9 @@ key masked (a padded position) gets all zeros, never NaN.
 Options live on each attention module (set by :func:`hf_sparsemax.patch_model`):
 ``alpha`` (entmax_bisect), a learned per-head alpha (``LearnedAlpha``,
 "Adaptively Sparse Transformers", Correia, Niculae & Martins, 2019),
-``top_k`` (sparse_softmax) and ``chunk_size``. A module without options uses
-the defaults: alpha 1.5, no top-k cut.
+``top_k`` (sparse_softmax), ``chunk_size`` and ``kernel``. A module without options uses
+the defaults: alpha 1.5, no top-k cut, ``kernel="auto"``: a call on CUDA that the Triton kernels serve runs
+there (:mod:`.routing`, :mod:`.triton_attention`); everything below is the torch path.
 
 Memory is bounded by default, as sdpa's kernels bound it: queries run in
 blocks whose weights ``[B, H, block, kv]`` hold at most
@@ -57,15 +58,18 @@ from torch.utils.checkpoint import checkpoint
 from .blocks import block_queries, causal_mask, threshold_attention, work_operands
 from .pages import page_summary, take_layer
 from .decode import decode_attention, decoding_step
+from .routing import KERNELS, triton_route, wanted
 from ..mappings import registry
 from ..mappings.entmax import precise_in_float32
 
 ATTENTION_MAPPINGS = registry.names("attention")
-ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha)
+ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha;
+    # kernel: which kernels run it, .routing)
     name: (*registry.REGISTRY[name].attention_options,
-           *(("learn_alpha",) if "alpha" in registry.REGISTRY[name].attention_options else ()), "chunk_size")
+           *(("learn_alpha",) if "alpha" in registry.REGISTRY[name].attention_options else ()), "chunk_size", "kernel")
     for name in ATTENTION_MAPPINGS
 }
+OWN_OPTIONS = ("learn_alpha", "chunk_size", "kernel")  # options of the attention, not of its mapping
 OPTIONS_ATTR = "hf_sparsemax_attention"  # plain attribute of an attention module: its AttentionOptions
 ALPHA_ATTR = "hf_sparsemax_alpha"  # submodule of an attention module: its LearnedAlpha (saved with the weights)
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
@@ -90,13 +94,15 @@ class AttentionOptions:
 
     ``options`` is the mapping's options object (see :mod:`hf_sparsemax.mappings.registry`),
     holding only what attention accepts (``ATTENTION_OPTIONS``); ``learn_alpha``
-    (mappings with an ``alpha``) and ``chunk_size`` belong to attention.
+    (mappings with an ``alpha``), ``chunk_size`` and ``kernel`` (:mod:`.routing`: "auto", "triton" or "torch")
+    belong to attention.
     """
 
     mapping: str
     options: typing.Any = None
     learn_alpha: bool = False
     chunk_size: int | None = None
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         entry = registry.attention_entry(self.mapping)
@@ -115,6 +121,8 @@ class AttentionOptions:
             isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be a positive integer (queries per chunk), got {self.chunk_size!r}")
+        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {list(KERNELS)}, got {self.kernel!r}")
 
     @property
     def alpha(self) -> float:
@@ -134,7 +142,7 @@ class AttentionOptions:
             raise ValueError(
                 f"attn_options {unknown} are not options of attn={mapping!r}; it takes {list(ATTENTION_OPTIONS[mapping])}"
             )
-        own = {k: options.pop(k) for k in list(options) if k not in ("learn_alpha", "chunk_size")}
+        own = {k: options.pop(k) for k in list(options) if k not in OWN_OPTIONS}
         return cls(mapping=mapping, options=entry.options(**own), **options)
 
 
@@ -225,13 +233,22 @@ def sparse_attention_forward(
     layer = take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    options = getattr(module, OPTIONS_ATTR, None)
+    if wanted(options.kernel if options else "auto", query):
+        own = options.options if options is not None and options.mapping == mapping else None
+        out = triton_route(module, query, key, value, attention_mask, kernel=options.kernel if options else "auto",
+                           mapping=mapping, scaling=scaling, dropout=dropout if module.training else 0.0,
+                           softcap=softcap, position_bias=position_bias, sinks=s_aux,
+                           causal=is_causal(module, query.shape[-2], attention_mask, kwargs),
+                           weights=weights_requested(kwargs), options=own, learned=getattr(module, ALPHA_ATTR, None))
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min
         )
     if attention_mask is not None:
         attention_mask = attention_mask[..., : key.shape[-2]]
-    options = getattr(module, OPTIONS_ATTR, None)
     chunk = options.chunk_size if options else None
     q_len = query.shape[-2]
     causal = is_causal(module, q_len, attention_mask, kwargs)
