@@ -305,3 +305,20 @@ def test_decoding_calls_take_the_decoding_kernel_where_present(monkeypatch):
     with torch.no_grad():
         model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
     assert [q for q, _, _ in seen] == [1, 1] and seen[0][1] == 1.5  # the step after the prefill, 2 layers
+
+
+def test_double_backward_goes_through_the_differentiable_formula():
+    """create_graph=True: the backward of the backward is the materialised formula's (second derivatives exact)."""
+    query, key, value = operands(n_q=24, n_kv=24, seed=6)
+    alpha = torch.tensor([1.3, 1.5, 2.0, 1.7], device=DEVICE)
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        q, k, v, a = (t.to(dtype).clone().requires_grad_() for t in (query, key, value, alpha))
+        if dtype == torch.float32:
+            out = triton_attention(q, k, v, None, causal=True, alpha=a, scaling=0.3)
+        else:
+            out = oracle(q, k, v, None, causal=True, alpha=a, scaling=0.3)[0]
+        (d_q,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+        results.append(torch.autograd.grad(d_q.square().sum(), (k, v, a)))
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine.double(), theirs, atol=1e-3, rtol=1e-3)  # float32 against float64
