@@ -3,7 +3,7 @@
     python .ci/lower_bounds.py [EXTRA ...] > constraints.txt
 
 Reads ``[project] dependencies`` and the named optional-dependency groups; each ``name>=X`` becomes
-``name==X``. A requirement without a ``>=`` bound is an error: every bound in pyproject.toml is meant to be
+``name==X`` (an environment marker, ``name>=X; platform_system == 'Linux'``, is kept). A requirement without a ``>=`` bound is an error: every bound in pyproject.toml is meant to be
 one the lower-bounds CI stage (``.ci/lower-bounds``) installs and tests.
 """
 
@@ -14,16 +14,17 @@ import sys
 import tomllib
 from pathlib import Path
 
-REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9a-zA-Z.]*)\s*$")
+REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9a-zA-Z.]*)\s*(;.*)?$")
 
 
 def pins(requirements: list[str]) -> dict[str, str]:
+    """``{name: version and marker}`` of each requirement's lower bound."""
     found = {}
     for requirement in requirements:
         match = REQUIREMENT.match(requirement)
         if match is None:
             raise SystemExit(f"lower_bounds: {requirement!r} is not of the form 'name>=version'")
-        name, version = match.group(1).lower().replace("_", "-"), match.group(2)
+        name, version = match.group(1).lower().replace("_", "-"), match.group(2) + (match.group(3) or "").rstrip()
         if found.setdefault(name, version) != version:
             raise SystemExit(f"lower_bounds: {name} has two lower bounds, {found[name]} and {version}")
     return found
