@@ -23,6 +23,7 @@ if not CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9
 
 import hf_sparsemax as hs  # noqa: E402
 from hf_sparsemax.attention import triton_attention as ta  # noqa: E402
+from hf_sparsemax.attention import triton_decode as td  # noqa: E402
 from hf_sparsemax.attention.triton_attention import not_supported_reasons, triton_attention  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -215,9 +216,11 @@ def tiny_llama(**options):
 def test_patched_llama_triton_equals_torch(monkeypatch):
     """patch_model(..., attn_options={"kernel": "triton"}) gives the torch path's logits and gradients (learned
     per-head alpha included), with left padding; a greedy continuation decodes the same tokens."""
-    calls = []
-    original = ta.triton_attention
+    calls, decoded = [], []
+    original, original_decode = ta.triton_attention, td.triton_decode
     monkeypatch.setattr(ta, "triton_attention", lambda q, *a, **k: calls.append(q.shape[-2]) or original(q, *a, **k))
+    monkeypatch.setattr(td, "triton_decode",
+                        lambda q, *a, **k: decoded.append(q.shape[-2]) or original_decode(q, *a, **k))
     models = {}
     for kernel in ("triton", "torch"):
         model = tiny_llama()
@@ -241,7 +244,8 @@ def test_patched_llama_triton_equals_torch(monkeypatch):
         tokens = {k: m.generate(input_ids=ids[:, :9], attention_mask=mask[:, :9], max_new_tokens=3,
                                 do_sample=False) for k, m in models.items()}
     assert torch.equal(tokens["triton"], tokens["torch"])
-    assert calls.count(20) == 2 and calls.count(9) == 2 and calls.count(1) == 4  # 2 layers: train, prefill, decode
+    assert calls == [20, 20]  # 2 layers, training: the forward / backward kernels
+    assert decoded == [9, 9] + [1] * 4  # no grad, at most 16 rows: the decoding kernel (prefill, 2 steps)
 
 
 def test_triton_kernel_refuses_what_it_cannot_serve():

@@ -75,9 +75,9 @@ def _workspace(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> tu
 
 
 def _kernels():
-    from . import triton_decode_kernels  # imports triton
+    import importlib
 
-    return triton_decode_kernels
+    return importlib.import_module(f"{__package__}.triton_decode_kernels")  # imports triton
 
 
 def _check(query, key, value, mask, alpha):
