@@ -137,6 +137,9 @@ def register() -> None:
         register_quantization_config(METHOD)(SparseFolderConfig)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+        from .reload import patch_cpu_model_runner
+
+        patch_cpu_model_runner()  # weights loaded into a running engine reach its packed GEMMs (TRL's weight sync)
 
 
 class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
