@@ -82,9 +82,10 @@ class FakeEngine:
         width = max(len(t) for t in self.tables)
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests])
         padding = 3  # tokens past the last request's (an engine's padded batch): never written, never read
-        query = torch.cat([*qs, torch.randn(padding, HEADS, DIM)])
-        key = torch.cat([*ks, torch.randn(padding, KV_HEADS, DIM)])
-        value = torch.cat([*vs, torch.randn(padding, KV_HEADS, DIM)])
+        dtype = qs[0].dtype
+        query = torch.cat([*qs, torch.randn(padding, HEADS, DIM, dtype=dtype)])
+        key = torch.cat([*ks, torch.randn(padding, KV_HEADS, DIM, dtype=dtype)])
+        value = torch.cat([*vs, torch.randn(padding, KV_HEADS, DIM, dtype=dtype)])
         batch = PagedBatch(torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
                            table.to(torch.int32), torch.cat([*slots, torch.full((padding,), -1)]))
         if layers == 1:  # no plan given: paged_attention builds the step's own
@@ -173,3 +174,34 @@ def test_the_compiled_kernel_a_shared_plan_and_decode_rows_apart_equal_transform
         expected = reference(module, attn, q, k, v)
         torch.testing.assert_close(torch.cat(got[request]), expected, rtol=0, atol=2e-6)
     assert engine.done == [9, 14, 7]
+
+
+FLOAT32_IN_TRANSFORMERS = [a for a in THRESHOLDS if a[1].get("alpha") != 1.05]  # its threshold path (float32)
+
+
+@pytest.mark.parametrize("attn,options", ATTENTIONS, ids=[f"{a}{o}" for a, o in ATTENTIONS])
+def test_a_bfloat16_model_is_scored_solved_and_accumulated_in_float32(attn, options):
+    """A bfloat16 engine (bfloat16 queries, keys, values and cache): the scores, masks, weights and ``P V`` in float32,
+    the output rounded to bfloat16 once. Against the float32 attention of the same bfloat16 rows, rounded to
+    bfloat16, and, where transformers' sparse attention computes a bfloat16 model in float32 (its threshold path:
+    sparsemax, entmax15, entmax_bisect with alphas in [1.125, 2]), against transformers' bfloat16 call itself: at
+    most one bfloat16 rounding step apart (float32 accumulation orders differ). Scores rounded to bfloat16 (2**-9
+    relative) move the weights by far more."""
+    module, attention = layer_of(attn, options)
+    seqs = [tuple(t.to(torch.bfloat16) for t in s) for s in sequences([10, 15, 6])]
+    engine = FakeEngine(seqs)
+    engine.cache = engine.cache.to(torch.bfloat16)
+    got = {r: [] for r in range(len(seqs))}
+    for steps in ({0: 7, 1: 5, 2: 4}, {1: 10, 0: 1, 2: 1}, {0: 1, 2: 1}, {0: 1}):
+        for request, rows in engine.step(steps, attention).items():
+            assert rows.dtype == torch.bfloat16
+            got[request].append(rows)
+    for request, (q, k, v) in enumerate(seqs):
+        rows = torch.cat(got[request]).float()
+        in_float32 = reference(module, attn, q.float(), k.float(), v.float()).to(torch.bfloat16)
+        torch.testing.assert_close(rows, in_float32.float(), rtol=2 ** -7, atol=1e-5)
+        if (attn, options) in FLOAT32_IN_TRANSFORMERS:
+            expected = reference(module, attn, q, k, v)
+            assert expected.dtype == torch.bfloat16
+            torch.testing.assert_close(rows, expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert engine.done == [10, 15, 6]

