@@ -7,7 +7,9 @@ Installed beside vLLM, hf_sparsemax registers two vLLM plugins (entry points in 
   quantization method that quantizes nothing (:class:`SparseFolderConfig`), so vLLM loads the folder; and
   vLLM's CPU attention backend becomes :mod:`.backend`'s, which computes a folder's saved sparse attention
   (learned alphas loaded through :class:`SparseFolderConfig`) and is vLLM's own for every other folder. A
-  folder with sparse attention on another platform than CPU is refused, with one line saying why.
+  folder with sparse attention on another platform than CPU is refused, with one line saying why. On CPU it
+  also makes weights copied into a running engine reach its packed GEMMs (:mod:`.reload`: TRL's colocate mode
+  on AVX-512 machines).
 - ``vllm.logits_processors`` -> :class:`SparseDecoding` and :class:`TaylorDecoding`: every request
   samples from the folder's trained distribution (:mod:`hf_sparsemax.decoding.engine`), with no flag;
   a request changes or drops it with ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP). Folders
