@@ -255,7 +255,7 @@ def loss_curve(fused, tmp_path, tie):
     labels[6, :] = -100
     model = hs.patch_model(tiny_lm(tie), loss="sparse_softmax", loss_options={"top_k": 6, "fused": fused})
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=4, learning_rate=1e-2, lr_scheduler_type="constant", report_to=[],
+                             max_steps=4, learning_rate=1e-1, optim="sgd", lr_scheduler_type="constant", report_to=[],
                              save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(ids, labels))
     trainer.train()
@@ -267,8 +267,8 @@ def test_trainer_loss_curve_is_the_same(tmp_path, tie):
     plain, plain_model = loss_curve(False, tmp_path, tie)
     fused, fused_model = loss_curve(True, tmp_path, tie)
     assert len(plain) == 4 and plain == pytest.approx(fused, rel=1e-5)
-    for p, q in zip(plain_model.parameters(), fused_model.parameters()):
-        assert torch.allclose(p, q, atol=1e-5)
+    for p, q in zip(plain_model.parameters(), fused_model.parameters()):  # plain SGD: the parameters move by the
+        assert torch.allclose(p, q, atol=1e-6)  # gradients (~2e-2 here); Adam would amplify rounding of tiny ones
 
 
 @pytest.mark.slow

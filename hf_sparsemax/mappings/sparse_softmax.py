@@ -62,7 +62,7 @@ def nucleus_floor(values: torch.Tensor, log_total: torch.Tensor, top_p: float, m
     ``floor`` is the value of the last kept entry; ``fits`` says the nucleus
     ended inside ``values``, so nothing beyond them is kept except ties with ``floor``.
     """
-    probs = (values - log_total).exp()
+    probs = (values.double() - log_total.double()).exp()  # float64: float32 masses misplace a boundary entry
     before = probs.cumsum(-1) - probs
     drop = ((1 - before) <= 1 - top_p) | (values <= masked)
     drop[:, 0] = values[:, 0] <= masked
@@ -70,11 +70,24 @@ def nucleus_floor(values: torch.Tensor, log_total: torch.Tensor, top_p: float, m
     return floor, drop[:, -1:] | ~torch.isfinite(log_total)
 
 
+def precise_log_total(rows: torch.Tensor) -> torch.Tensor:
+    """``log sum exp`` of each row of float32 ``rows`` to float64 precision (``[rows, 1]``, float64).
+
+    The nucleus rule compares masses summed from the top with ``top_p``: a float32 normaliser (and float32
+    ``x - log_total``) is off by up to ~1e-6, enough to keep or drop an entry at the boundary against
+    ``TopPLogitsWarper`` in float64 (seen on an AVX-512 CPU). The float32 value is refined by one float64 pass.
+    """
+    rough = rows.logsumexp(-1, keepdim=True).double()
+    finite = torch.isfinite(rough)
+    shift = torch.where(finite, rough, 0.0)
+    return torch.where(finite, shift + (rows.double() - shift).exp().sum(-1, keepdim=True).log(), rough)
+
+
 def top_k_log_total(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Log-normaliser of the top-k set: ``values`` (the ``k`` largest) plus the entries tied with the ``k``-th beyond them."""
     floor = values[:, -1:]
     ties = (rows == floor).sum(-1, keepdim=True) - (values == floor).sum(-1, keepdim=True)
-    return torch.cat([values, floor + ties.to(rows.dtype).log()], -1).logsumexp(-1, keepdim=True)
+    return torch.cat([values, floor + ties.to(rows.dtype).log()], -1).double().logsumexp(-1, keepdim=True)
 
 
 def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, masked: float) -> torch.Tensor:
@@ -92,7 +105,7 @@ def kept_floor(rows: torch.Tensor, top_k: int | None, top_p: float | None, maske
         return nucleus_floor(values, top_k_log_total(rows, values), top_p, masked)[0]
     if top_p is None:
         return torch.full_like(rows[:, :1], float("-inf"))
-    log_total = rows.logsumexp(-1, keepdim=True)
+    log_total = precise_log_total(rows)
     values = rows.topk(min(NUCLEUS_CANDIDATES, n), dim=-1).values
     floor, fits = nucleus_floor(values, log_total, top_p, masked)
     if values.shape[-1] == n:
@@ -134,7 +147,8 @@ def nucleus_by_histogram(rows, upper, log_total, top_p: float, masked: float) ->
     less than ``top_p``), and only that bucket's entries are sorted, starting
     from the mass above it (:func:`nucleus_floor`'s rule). So the answer is
     exact for any bucketing monotone in ``x``; ``lower`` and ``upper`` only make
-    the crossing bucket small. Masses are summed and normalised in float64; a
+    the crossing bucket small. Masses are computed, summed and normalised in float64 (``exp(x - total)`` of float32
+    operands rounds each mass by up to ~1e-6, which moved a boundary entry on an AVX-512 CPU); a
     row where no bucket reaches ``top_p`` (rounding) keeps everything.
     """
     n, bins = rows.shape[-1], HISTOGRAM_BUCKETS + 2
@@ -147,7 +161,9 @@ def nucleus_by_histogram(rows, upper, log_total, top_p: float, masked: float) ->
         bucket = (x - lower[block]).div_(width[block]).floor_().clamp_(-1, HISTOGRAM_BUCKETS).add_(1)  # monotone in x
         flat = bucket.long().add_(torch.arange(x.shape[0], device=x.device).unsqueeze(1) * bins)
         mass = torch.zeros(x.shape[0] * bins, dtype=torch.float64, device=x.device)  # sums in float64
-        mass = mass.scatter_add_(0, flat.view(-1), (x - total).exp_().double().view(-1)).view(-1, bins)
+        shifted = x.double() - total.double()  # in float64: a float32 x - total rounds by ~1e-6 of each mass
+        mass = mass.scatter_add_(0, flat.view(-1), shifted.exp_().view(-1)).view(-1, bins)
+        del shifted
         scale = mass.sum(-1, keepdim=True)  # 1 up to the rounding of log_total: divided out
         from_top = mass.flip(-1).cumsum(-1).flip(-1).div_(scale)  # mass of each bucket and every bucket above it
         crossing = (from_top >= top_p).sum(-1, keepdim=True) - 1  # -1: no bucket reaches top_p
@@ -155,7 +171,7 @@ def nucleus_by_histogram(rows, upper, log_total, top_p: float, masked: float) ->
         inside = bucket == crossing
         count = inside.sum(-1, keepdim=True)
         values = torch.where(inside, x, float("-inf")).topk(max(1, int(count.max())), dim=-1).values
-        probs = (values - total).exp().double().div_(scale)
+        probs = (values.double() - total.double()).exp_().div_(scale)
         before = above + probs.cumsum(-1) - probs
         kept = (before < top_p) & (values > masked)
         kept &= torch.arange(values.shape[-1], device=x.device) < count
