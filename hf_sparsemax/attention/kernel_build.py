@@ -152,7 +152,7 @@ def compile_into(folder: str, name: str, command: list[str], flags: tuple[str, .
     path = os.path.join(folder, name)
     handle, partial = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=folder)
     os.close(handle)
-    published = False
+    keep_partial = False  # a file system without hard links: the private build is the library
     try:
         with tempfile.TemporaryDirectory(prefix="hf_sparsemax-build-") as include:
             with open(os.path.join(include, HEADER), "w", encoding="utf-8") as out:
@@ -167,11 +167,11 @@ def compile_into(folder: str, name: str, command: list[str], flags: tuple[str, .
         except FileExistsError:
             pass  # another process built the same library first: use theirs (checked below)
         except OSError:  # a file system without hard links: load the private build, publish nothing
-            published = True
+            keep_partial = True
             return check_library(partial)
         return check_library(path)
     finally:
-        if not published:
+        if not keep_partial:
             os.unlink(partial)
 
 
@@ -199,7 +199,7 @@ def build_library(header: str) -> tuple[str, str | None]:
     (the caller says so once); raises where neither builds."""
     try:
         return build(FLAGS + OPENMP, header), None
-    except RuntimeError as error:
-        if isinstance(error, UnsafePath):
-            raise
+    except UnsafePath:
+        raise
+    except RuntimeError as error:  # the compiler refused OpenMP
         return build(FLAGS, header), str(error)
