@@ -13,7 +13,8 @@ which its remaining rows print "skipped"):
 - ``train``: a whole training step (forward + backward of the causal-LM loss) of SmolLM2-135M at 2k and 4k tokens,
   with its peak GPU memory;
 - ``inference``: prefill and per-token decoding (teacher-forced text tokens, transformers' DynamicCache) of
-  SmolLM2-135M at 2k / 4k / 8k cached tokens, batch 1 and 8 (8 passages, full length, no padding).
+  SmolLM2-135M at 2k / 4k / 8k cached tokens, batch 1 and 8 (8 passages, full length, no padding); then one
+  decoding step of sdpa and of each Triton contender under torch.profiler (its wall time and top operators).
 
 The whole-model sections load the pretrained SmolLM2-135M-Instruct where its offline GGUF asset is installed; where
 it is not (the GPU machine: 93 MB, over what can be carried) they build a random-init Llama with SmolLM2-135M's
@@ -734,13 +735,41 @@ def decode_ms(model, ids, context: int) -> float:
     return statistics.median(times[2:] if len(times) > 3 else times)
 
 
+def step_profile(model, ids, context: int, name: str) -> str:
+    """One decoding step from a ``context``-token cache under torch.profiler: its wall time (synchronised) and the
+    ten operators with the most self time on the device (the CPU under ``--tiny``), to tell where a step's time
+    goes (the H100 run measured sdpa's whole-model step at 62-98 ms, slower than its 2048-token prefill: a
+    number to explain, not to trust)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = prefill(model, ids[:, :context]).past_key_values
+    following = ids[:, context : context + 1]
+    cuda = device().type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        model(input_ids=following, past_key_values=cache, use_cache=True)  # warm-up, then crop back
+        cache.crop(-1)
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            model(input_ids=following, past_key_values=cache, use_cache=True)
+            sync()
+            wall = (time.perf_counter() - start) * 1e3
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:10]
+    rows = [[e.key[:60], e.count, f"{e.self_cpu_time_total / 1e3:.3f}"]
+            + ([f"{getattr(e, key, 0.0) / 1e3:.3f}"] if cuda else []) for e in events]
+    return (f"**{name}**, {context} cached tokens, batch {ids.shape[0]}: wall {wall:.2f} ms\n\n"
+            + markdown_table(["operator", "calls", "self CPU ms"] + (["self device ms"] if cuda else []), rows))
+
+
 def section_inference(report) -> None:
     deadline = Deadline(ARGS.sizes.budgets["inference"])
     model, what = build_model()
     model.eval()
     longest = max(ARGS.sizes.contexts) + ARGS.sizes.steps
     ids, source = text_tokens(max(ARGS.sizes.batches), longest, model.config.vocab_size)
-    notes, results = Notes(), {}
+    notes, results, profiles = Notes(), {}, []
     cases = [(batch, context) for batch in ARGS.sizes.batches for context in ARGS.sizes.contexts]
     for mapping, kernel in model_contenders():
         for (batch, context), cell in each_cell(model, mapping, kernel, cases, notes, deadline):
@@ -748,7 +777,13 @@ def section_inference(report) -> None:
             results[mapping, kernel, batch, context] = cell(lambda: (
                 time_ms(lambda: prefill(model, rows[:, :context]), min(ARGS.sizes.reps, 3)),
                 decode_ms(model, rows, context)))
+            if (batch, context) == cases[0] and kernel in ("sdpa", "triton") and not deadline.passed(kernel):
+                try:
+                    profiles.append(step_profile(model, rows, context, f"{mapping} {kernel}"))
+                except Exception as error:  # noqa: BLE001 - a profile is a diagnostic; the table stands
+                    notes.failed(f"{mapping} {kernel} profile", error)
     report.add(inference_table(report, results, notes, what, source))
+    report.add("### One decoding step, profiled\n\n" + "\n\n".join(profiles))
     del model
 
 
