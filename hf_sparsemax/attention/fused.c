@@ -22,6 +22,7 @@
    FIELDS (hf_sparsemax.attention.fused) into the header included below, and so are the solver's constants
    (tolerance, max_iter, candidate_margin, sort_below): nothing here restates them. */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -150,9 +151,209 @@ static void attend_row(const float *s, int64_t keys, double alpha, candidate *ch
     }
 }
 
+/* The exact scores of the keys [from, to) of task (b, h) for its `rows` query rows q, written to
+   scores[i * keys + j]: s_ij = fl(fl(sum_d q_id k_jd) * scaling) (+ m_ij, or -inf where masked). Not inlined, so
+   that the full step and the certified step compute every score with the same instructions (the same value). */
+__attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, int64_t b, int64_t h,
+                                                 const float *q, const float *const *mask_rows, int64_t from,
+                                                 int64_t to, float *row, float *scores) {
+    int64_t rows = p->rows, keys = p->keys, dim = p->dim;
+    for (int64_t j = from; j < to; j++) { /* each key row read once, scored by every query row */
+        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
+        const float *kj = (const float *)p->key + at;
+        if (p->bf16) {
+            for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
+            kj = row;
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float *qi = q + i * dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
+            float s = acc * p->scaling;
+            if (p->mask) {
+                float m = mask_rows[i][j * p->m_n];
+                s = m <= p->masked ? -INFINITY : s + m;
+            }
+            scores[i * keys + j] = s;
+        }
+    }
+}
+
+/* ---- The int8 key certificate ------------------------------------------------------------------------------
+
+   Each cached key k (dim channels) has an int8 copy c = round(k / s_k), |c_d| <= 127, with the scale
+   s_k = max_d |k_d| / 127 (float32), kept beside the cache (codes, code_scales) and written by quantise_keys as
+   keys are appended. Per task (batch row, kv head) code_bounds holds rho = max_k ||k - s_k c||_2 / s_k (the
+   largest rounding residual in units of the key's scale, <= sqrt(dim) / 2) and kappa = max_k ||c||_2, both rounded
+   up; a crop keeps them (still upper bounds), a rebuild (coded = 0) starts them again.
+
+   A query row q is quantised with int16 codes e = round(q / s_q), s_q = max_d |q_d| / 32767 (int16 rather than
+   int8: the integer product costs the same sign extension and vpmaddwd either way, and the query's rounding term
+   below becomes 256 times smaller). The integer product a = sum_d e_d c_d is exact in int32 (|a| <= dim 32767 127
+   < 2^31 for dim <= 512), and t = scaling s_q s_k a (+ m) approximates the kernel's float score s (score_keys).
+
+   The bound. Write q' = s_q e, r_q = q - q', k' = s_k c, r_k = k - k' (real numbers). Then
+       q.k = q.k' + q.r_k = q'.k' + r_q.k' + q.r_k,   so   |q.k - s_q s_k a| <= ||q|| ||r_k|| + ||r_q|| ||k'||
+                                                                        <= s_k (||q|| rho + ||r_q|| kappa).
+   The kernel's s is not q.k: its float32 sum of dim products (any order, fused or not) is within
+   gamma ||q|| ||k|| of q.k (gamma = dim u / (1 - dim u), u = 2^-24; sum_d |q_d k_d| <= ||q|| ||k|| by
+   Cauchy-Schwarz, ||k|| <= s_k (rho + kappa)), then scaled and added to m with one rounding each (u |result|).
+   t itself is computed in double and stored in float32 (relative error below 4u). Hence, with
+       E = (1 + 1e-6) [ s_k A_q + 1e-5 (|t| + |m|) ],
+       A_q = scaling (||q|| rho + ||r_q|| kappa + 2 (dim + 4) u ||q|| (rho + kappa)),
+   (the norms computed in double and rounded up), every score the full step computes lies in [t - E, t + E]:
+   the 1e-5 term is 40 times the roundings of t, of the scaling and of the mask's addition, and the factor
+   (1 + 1e-6) covers the rounding of E itself.
+
+   The certificate. Per query row, M = max_j (t_j - E_j) <= max_j s_j (the row's max, `top` in attend_row). The
+   full step's candidates are the keys with z_j = (alpha - 1)(s_j - top) > -candidate_margin; a key with
+   (alpha - 1)(t_j + E_j - M) <= -candidate_margin - 1e-9 has z_j <= -candidate_margin (the 1e-9: z's rounding in
+   double), so it is no candidate (weight exactly 0: tau >= -1 > -candidate_margin). A key certified so for every
+   query row of its kv head is never read: its scores are set to -inf, which makes it no candidate either. Every
+   other key is scored exactly by score_keys (the row's maximum among them: its t + E >= s_max >= M). So the
+   certified step hands attend_row the same candidates with the same scores, in the same order, as the full step:
+   the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
+   certifies nothing (the comparisons are written so), and the full step's NaN output follows. */
+
+#define UNIT_ROUNDOFF 5.9604644775390625e-08 /* 2^-24, float32's */
+
+/* int16 query codes e against a key's int8 codes c: written plainly (int32 accumulation of int16 x int8, sign
+   extended), which gcc -O3 -march=native vectorises to vpmovsxbw + vpmaddwd (vpdpwssd with AVX-512 VNNI). */
+static inline int32_t code_product(const int16_t *e, const int8_t *c, int64_t dim) {
+    int32_t acc = 0;
+    for (int64_t d = 0; d < dim; d++) acc += (int32_t)e[d] * (int32_t)c[d];
+    return acc;
+}
+
+/* Write the int8 codes and scales of the keys [p->coded, p->length) of task (b, h) and bring its rho, kappa
+   (code_bounds[2 task], [2 task + 1]) up to date (reset first where coded is 0). A key with a NaN or infinite
+   entry, or too small to scale, gets a NaN scale: never certified. */
+static void quantise_keys(const hf_sparsemax_params *p, int64_t b, int64_t h) {
+    int64_t dim = p->dim, task = b * p->kv_heads + h;
+    double *bounds = p->code_bounds + 2 * task;
+    if (p->coded == 0) bounds[0] = bounds[1] = 0.0;
+    for (int64_t j = p->coded; j < p->length; j++) {
+        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n, slot = b * p->c_b + h * p->c_h + j;
+        int8_t *c = p->codes + slot * dim;
+        float top = 0.0f;
+        for (int64_t d = 0; d < dim; d++) {
+            float x = fabsf(widen(p->key, at + d, p->bf16));
+            top = x > top || isnan(x) ? x : top;
+        }
+        float scale = top / 127.0f;
+        if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) { /* NaN or infinite, or underflows */
+            memset(c, 0, (size_t)dim);
+            p->code_scales[slot] = NAN;
+            continue;
+        }
+        double residual = 0.0, norm = 0.0;
+        for (int64_t d = 0; d < dim; d++) {
+            float x = widen(p->key, at + d, p->bf16);
+            float v = scale > 0.0f ? rintf(x / scale) : 0.0f;
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            c[d] = (int8_t)v;
+            double r = (double)x - (double)scale * (double)v; /* the product exact in double */
+            residual += r * r;
+            norm += (double)v * (double)v;
+        }
+        p->code_scales[slot] = scale;
+        double rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + 1e-12) : 0.0;
+        double kappa = sqrt(norm) * (1.0 + 1e-15);
+        if (rho > bounds[0]) bounds[0] = rho;
+        if (kappa > bounds[1]) bounds[1] = kappa;
+    }
+}
+
+/* The certified scores of task (b, h): scores[i * keys + j] as score_keys would write them for every key not
+   certified (read and scored exactly), -inf for the keys certified (never read). Returns the keys of [0, length)
+   certified, or -1 where a query row is not finite or memory could not be had (then nothing is written: the
+   caller scores every key). */
+static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
+                                const float *const *mask_rows, float *row, float *scores) {
+    int64_t rows = p->rows, keys = p->keys, dim = p->dim, task = b * p->kv_heads + h;
+    int16_t *e = malloc(sizeof(int16_t) * rows * dim);
+    double *spec = malloc(sizeof(double) * rows * 3); /* per row: scaling s_q, A_q, the cut on t + E */
+    if (!e || !spec) {
+        free(e), free(spec);
+        return -1;
+    }
+    double rho = p->code_bounds[2 * task], kappa = p->code_bounds[2 * task + 1], u = UNIT_ROUNDOFF;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *qi = q + i * dim;
+        float top = 0.0f;
+        for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
+        float scale = top / 32767.0f;
+        if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
+            free(e), free(spec);
+            return -1;
+        }
+        double norm = 0.0, residual = 0.0;
+        for (int64_t d = 0; d < dim; d++) {
+            float v = scale > 0.0f ? rintf(qi[d] / scale) : 0.0f;
+            v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+            e[i * dim + d] = (int16_t)v;
+            double r = (double)qi[d] - (double)scale * (double)v;
+            norm += (double)qi[d] * (double)qi[d];
+            residual += r * r;
+        }
+        norm = sqrt(norm) * (1.0 + 1e-12), residual = sqrt(residual) * (1.0 + 1e-12);
+        spec[3 * i] = (double)p->scaling * scale;
+        spec[3 * i + 1] = fabs((double)p->scaling) *
+                          (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa));
+        spec[3 * i + 2] = -INFINITY; /* M until the pass below */
+    }
+    /* pass 1: t for every key (-inf where masked, NaN where not coded), and each row's M = max (t - E) */
+    for (int64_t j = 0; j < keys; j++) {
+        int64_t slot = b * p->c_b + h * p->c_h + j;
+        const int8_t *c = j < p->length ? p->codes + slot * dim : NULL; /* beyond: no codes (never read) */
+        double sk = c ? (double)p->code_scales[slot] : NAN;
+        for (int64_t i = 0; i < rows; i++) {
+            float m = p->mask ? mask_rows[i][j * p->m_n] : 0.0f;
+            if (p->mask && m <= p->masked) {
+                scores[i * keys + j] = -INFINITY;
+                continue;
+            }
+            double t = c ? spec[3 * i] * sk * (double)code_product(e + i * dim, c, dim) + (double)m : NAN;
+            scores[i * keys + j] = t < -FLT_MAX ? -FLT_MAX : (float)t; /* -inf only where masked (NaN kept) */
+            double low = t - (1.0 + 1e-6) * (sk * spec[3 * i + 1] + 1e-5 * (fabs(t) + fabs((double)m)));
+            if (low > spec[3 * i + 2]) spec[3 * i + 2] = low;
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
+        double am1 = alpha - 1.0;
+        spec[3 * i + 2] = am1 > 0.0 ? spec[3 * i + 2] - (p->candidate_margin + 1e-9) / am1 : -INFINITY;
+    }
+    /* pass 2: a key some row cannot certify is read and scored exactly; the others get -inf */
+    int64_t certified = 0;
+    for (int64_t j = 0; j < keys; j++) {
+        int64_t slot = b * p->c_b + h * p->c_h + j;
+        double sk = j < p->length ? (double)p->code_scales[slot] : NAN;
+        int keep = 0;
+        for (int64_t i = 0; i < rows && !keep; i++) {
+            float t = scores[i * keys + j];
+            if (t == -INFINITY) continue; /* masked: -inf in both steps */
+            double m = p->mask ? (double)mask_rows[i][j * p->m_n] : 0.0;
+            double upper = (double)t + (1.0 + 1e-6) * (sk * spec[3 * i + 1] + 1e-5 * (fabs((double)t) + fabs(m)));
+            keep = !(upper <= spec[3 * i + 2]);
+        }
+        if (keep) {
+            score_keys(p, b, h, q, mask_rows, j, j + 1, row, scores);
+        } else {
+            for (int64_t i = 0; i < rows; i++) scores[i * keys + j] = -INFINITY;
+            certified += j < p->length;
+        }
+    }
+    free(e), free(spec);
+    return certified;
+}
+
 /* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
    values through their strides, an additive mask through its strides (or NULL), alphas one per query head (or
-   NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. */
+   NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. Where codes is not NULL, the keys
+   [coded, length) are quantised first, and where certify is set the keys certified (above) are not read;
+   certified[task] (where not NULL) gets their number (-1: the task scored every key). */
 int hf_sparsemax_decode(const hf_sparsemax_params *p) {
     int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, dim = p->dim, q_rows = p->q_rows;
     const float *mask = p->mask;
@@ -172,26 +373,11 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
         }
         for (int64_t i = 0; mask && i < rows; i++) /* row i: query head i / q_rows of the group, its row i % q_rows */
             mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
-        for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
-            int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
-            const float *kj = (const float *)p->key + at;
-            if (p->bf16) {
-                for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
-                kj = row;
-            }
-            for (int64_t i = 0; i < rows; i++) {
-                const float *qi = q + i * dim;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
-                float s = acc * p->scaling;
-                if (mask) {
-                    float m = mask_rows[i][j * p->m_n];
-                    s = m <= p->masked ? -INFINITY : s + m;
-                }
-                scores[i * keys + j] = s;
-            }
-        }
+        int64_t certified = -1;
+        if (p->codes) quantise_keys(p, b, h);
+        if (p->codes && p->certify) certified = certified_scores(p, b, h, q, mask_rows, row, scores);
+        if (certified < 0) score_keys(p, b, h, q, mask_rows, 0, keys, row, scores);
+        if (p->certified) p->certified[task] = certified;
         const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
                                 : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
         for (int64_t i = 0; i < rows; i++) {

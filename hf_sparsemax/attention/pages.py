@@ -89,6 +89,7 @@ class PageSummary:
         self.mins = self.maxs = key.new_empty(batch, heads, 0, dim)
         self.source, self.version, self.length, self.carried = None, -1, 0, False
         self.wait = 0  # decoding steps before the next try (after one that did not pay: RETRY)
+        self.codes = None  # the keys' int8 copies (.keycodes.KeyCodes), where the fused kernel certifies
 
     @property
     def pages(self) -> int:
@@ -100,6 +101,11 @@ class PageSummary:
         return (self.source is not None and self.source() is keys and keys._version == self.version
                 and filled(layer) >= self.length)
 
+    def track(self, key: torch.Tensor, length: int) -> "PageSummary":
+        """Record that the pages (and codes) describe ``key[..., :length, :]`` (brought up to date on use)."""
+        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
+        return self
+
     def update(self, key: torch.Tensor, length: int) -> "PageSummary":
         """Summarise the full pages of ``key[..., :length, :]`` not summarised yet."""
         pages = length // PAGE
@@ -107,11 +113,10 @@ class PageSummary:
             new = key[:, :, self.pages * PAGE : pages * PAGE].unflatten(2, (pages - self.pages, PAGE))
             self.mins = torch.cat([self.mins, new.amin(3)], dim=2)
             self.maxs = torch.cat([self.maxs, new.amax(3)], dim=2)
-        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
-        return self
+        return self.track(key, length)
 
     def __getstate__(self):  # a copied summary describes no tensor (rebuilt on use)
-        return dict(vars(self), source=None)
+        return dict(vars(self), source=None, codes=None)
 
 
 def remember_cache(module, args, kwargs) -> None:
@@ -161,7 +166,7 @@ def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[P
                                and key._version == summary.version) or summary.mins.shape[:2] != key.shape[:2]:
         summary = PageSummary(key)
         setattr(layer, SUMMARY_ATTR, summary)
-    return summary.update(key, length), length
+    return summary.track(key, length), length
 
 
 def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float) -> torch.Tensor:
@@ -216,6 +221,7 @@ def skipping_attention(problem, summary: PageSummary, length: int, row_alpha, mi
     many (then the next ``RETRY`` steps do not try: the bound is loose on keys whose channels vary within a page).
     """
     batch, kv_heads = problem.key.shape[:2]
+    summary.update(problem.key, length)
     full, pages = summary.pages * PAGE, summary.pages
     COUNTS["calls"] += 1
     COUNTS["pages"] += batch * kv_heads * pages
