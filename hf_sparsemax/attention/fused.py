@@ -193,7 +193,7 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     if codes is not None:
         checked("key codes", codes.codes, (batch, kv_heads, None, dim), device)
         checked("key scales", codes.scales, (batch, kv_heads, codes.codes.shape[2]), device)
-        if not (codes.coded <= length <= min(keys, codes.codes.shape[2])) or dim > MAX_CODED_DIM:
+        if not (codes.coded <= length <= min(keys, codes.codes.shape[2])) or dim > MAX_CODED_DIM or dim % 2:
             raise ValueError(f"fused attention kernel: key codes of {codes.coded} keys, {codes.codes.shape[2]} "
                              f"slots, dim {dim} cannot code {length} keys of {keys}")
         params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()

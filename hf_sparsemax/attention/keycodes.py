@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from .fused import MAX_CODED_DIM
 from .fused import decode as fused_decode
 
 GROW = 512  # key slots added at a time to a dynamic cache's codes
+BLOCK = 16  # keys a block of codes (CODE_BLOCK in fused.c: slots come in multiples of it)
 MIN_CERTIFIED = 0.5  # share of a step's keys certified below which the layer backs off
 RETRY = 32  # steps a layer scores every key after a step that certified less than MIN_CERTIFIED
 COUNTS = {"calls": 0, "keys": 0, "certified": 0}  # certified steps, the keys they had, the keys never read
@@ -57,14 +59,21 @@ class KeyCodes:
     def fits(self, key: torch.Tensor) -> bool:
         return self.codes.shape[:2] == key.shape[:2] and self.codes.shape[-1] == key.shape[-1]
 
+    @staticmethod
+    def serves(key: torch.Tensor) -> bool:
+        """Whether keys of this head size can be coded: even (channel pairs), products exact in int32."""
+        return key.shape[-1] % 2 == 0 and key.shape[-1] <= MAX_CODED_DIM
+
     def reserve(self, length: int, slots: int) -> None:
         """Room for ``length`` keys: a static cache's ``slots`` at once, a dynamic one's in steps of ``GROW``."""
         if length <= self.codes.shape[2]:
             return
-        size = slots if slots > length else -(-length // GROW) * GROW
-        codes = self.codes.new_empty(*self.codes.shape[:2], size, self.codes.shape[-1])
-        scales = self.scales.new_empty(*self.scales.shape[:2], size)
-        codes[:, :, : self.coded] = self.codes[:, :, : self.coded]
+        size = -(-(slots if slots > length else -(-length // GROW) * GROW) // BLOCK) * BLOCK
+        batch, heads, _, dim = self.codes.shape
+        codes = self.codes.new_empty(batch, heads, size, dim)
+        scales = self.scales.new_empty(batch, heads, size)
+        blocks = -(-self.coded // BLOCK) * BLOCK  # the codes' blocks are laid out together (fused.c, code_at)
+        codes[:, :, :blocks] = self.codes[:, :, :blocks]
         scales[:, :, : self.coded] = self.scales[:, :, : self.coded]
         self.codes, self.scales = codes, scales
 
@@ -78,6 +87,8 @@ def coded_attention(problem, summary, length: int) -> torch.Tensor | None:
     fused kernel with the int8 certificate (the codes on ``summary``, a :class:`.pages.PageSummary`), or None where
     the kernel does not serve the call (the caller's other paths then)."""
     key = problem.key
+    if not KeyCodes.serves(key):
+        return None
     codes = getattr(summary, "codes", None)
     if codes is None or not codes.fits(key):
         codes = summary.codes = KeyCodes(key)
