@@ -366,6 +366,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
+    float error = (float)p->code_error * (1.0f + 1e-6f); /* code_error is 1 (0 only in a test: no bound) */
     int32_t products[CODE_BLOCK];
     float scale_k[CODE_BLOCK], m[CODE_BLOCK];
     /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
@@ -381,7 +382,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
                 float t = sc * scale_k[l] * (float)products[l] + m[l];
-                float err = (scale_k[l] * bound + 1e-5f * (fabsf(t) + fabsf(m[l]))) * (1.0f + 1e-6f);
+                float err = (scale_k[l] * bound + 1e-5f * (fabsf(t) + fabsf(m[l]))) * error;
                 float lo = t - err, hi = t + err, old = low[l];
                 int masked = m[l] <= level;
                 hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */

@@ -44,6 +44,7 @@ from ..mappings.entmax import MAX_ITER, TOLERANCE  # the eager solver's stopping
 from .kernel_build import build_library, folder_problem, wanted_folder, warn_once
 
 SORT_BELOW = 128  # sparsemax / 1.5-entmax rows with at most this many candidates: the closed form on them sorted
+CODE_ERROR = 1.0  # the factor of the int8 certificate's error bound: 1 (a test sets 0 to show the bound matters)
 MAX_CODED_DIM = 512  # head sizes whose int16 x int8 code products stay exact in int32 (fused.c)
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 _failed: list[str] = []
@@ -71,7 +72,7 @@ FIELDS = (  # (name, ctypes type, C type where a pointer): the one declaration o
     # the keys certified not read where certify is set; certified[task]: their number (-1: every key scored)
     ("codes", _PTR, "int8_t *"), ("code_scales", _PTR, "float *"), ("code_bounds", _PTR, "double *"),
     ("certified", _PTR, "int64_t *"), ("c_b", _I64), ("c_h", _I64), ("coded", _I64), ("length", _I64),
-    ("certify", _I32),
+    ("certify", _I32), ("code_error", _F64),  # code_error: the factor of the bound's E (1; 0 only in a test)
 )
 
 
@@ -200,6 +201,7 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
         params.code_bounds, params.certified = codes.bounds.data_ptr(), codes.certified.data_ptr()
         params.c_b, params.c_h = codes.scales.stride(0), codes.scales.stride(1)
         params.coded, params.length, params.certify = codes.coded, length, int(certify)
+        params.code_error = CODE_ERROR
     stopped = library().hf_sparsemax_decode(ctypes.byref(params))
     if codes is not None:
         codes.coded = 0 if stopped else length
