@@ -102,7 +102,8 @@ static double newton(const candidate *c, int64_t n, double alpha, const hf_spars
 }
 
 /* One row of scores s[0..keys) (masked keys at or below p->masked) to out_i = sum_j p_j v_j, the value rows at
-   value + index[j] * v_n (index NULL: value + j * v_n; an index ascending keeps the candidates' order); `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
+   value + index[j] * v_n (index NULL: value + j * v_n; an index ascending keeps the candidates' order);
+   `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
    rounding). Sparsemax and 1.5-entmax rows with at most p->sort_below candidates take the closed form on the
    sorted candidates, the others Newton's method. Where tau_out is not NULL, the row's tau goes there (NaN where
    the row has none: it sees no key, or holds NaN / +inf). */
@@ -205,21 +206,23 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
    The kernel's s is not q.k: its float32 sum of dim products (any order, fused or not) is within
    gamma ||q|| ||k|| of q.k (gamma = dim u / (1 - dim u), u = 2^-24; sum_d |q_d k_d| <= ||q|| ||k|| by
    Cauchy-Schwarz, ||k|| <= s_k (rho + kappa)), then scaled and added to m with one rounding each (u |result|).
-   t itself is computed in double and stored in float32 (relative error below 4u). Hence, with
+   t is computed in float32 (s_q scaling rounded once, then three operations: within 5u (|t| + |m|); the int32
+   product converted exactly up to 2^24, within u beyond). Hence, with
        E = (1 + 1e-6) [ s_k A_q + 1e-5 (|t| + |m|) ],
        A_q = scaling (||q|| rho + ||r_q|| kappa + 2 (dim + 4) u ||q|| (rho + kappa)),
-   (the norms computed in double and rounded up), every score the full step computes lies in [t - E, t + E]:
-   the 1e-5 term is 40 times the roundings of t, of the scaling and of the mask's addition, and the factor
-   (1 + 1e-6) covers the rounding of E itself.
+   (the norms computed in double and rounded up, A_q then rounded to float32), every score the full step computes
+   lies in [t - E, t + E]: the 1e-5 term is over 20 times the roundings of t, of the scaling and of the mask's
+   addition, and the factor (1 + 1e-6) covers the roundings of E, t - E and t + E in float32 (a few u each).
 
    The certificate. Per query row, M = max_j (t_j - E_j) <= max_j s_j (the row's max, `top` in attend_row). The
    full step's candidates are the keys with z_j = (alpha - 1)(s_j - top) > -candidate_margin; a key with
-   (alpha - 1)(t_j + E_j - M) <= -candidate_margin - 1e-9 has z_j <= -candidate_margin (the 1e-9: z's rounding in
-   double), so it is no candidate (weight exactly 0: tau >= -1 > -candidate_margin). A key certified so for every
-   query row of its kv head is never read: its scores are set to -inf, which makes it no candidate either. Every
-   other key is scored exactly by score_keys (the row's maximum among them: its t + E >= s_max >= M). So the
-   certified step hands attend_row the same candidates with the same scores, in the same order, as the full step:
-   the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
+   (alpha - 1)(t_j + E_j - M) <= -candidate_margin - 1e-9 (the cut M - (candidate_margin + 1e-9) / (alpha - 1)
+   rounded down to float32) has z_j <= -candidate_margin (the 1e-9: z's rounding in double), so it is no
+   candidate (weight exactly 0: tau >= -1 > -candidate_margin). A key certified so for every query row of its
+   kv head is never read, and left out of the rows handed to the solver (attend_keys over the kept keys, their
+   indices ascending). Every other key is scored exactly by score_keys (the row's maximum among them: its
+   t + E >= s_max >= M). So the certified step hands the solver the same candidates with the same scores, in the
+   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
    certifies nothing (the comparisons are written so), and the full step's NaN output follows. */
 
 #define UNIT_ROUNDOFF 5.9604644775390625e-08 /* 2^-24, float32's */
@@ -270,9 +273,10 @@ static void block_products(const int16_t *e, const int8_t *block, int64_t dim, i
         memcpy(&pair, e + 2 * d2, sizeof pair);
         __m256i q = _mm256_set1_epi32(pair);
         const int8_t *at = block + 2 * CODE_BLOCK * d2;
-        low = _mm256_add_epi32(low, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at)), q));
-        high = _mm256_add_epi32(high,
-                                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16))), q));
+        __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+        __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
+        low = _mm256_add_epi32(low, _mm256_madd_epi16(k0, q));
+        high = _mm256_add_epi32(high, _mm256_madd_epi16(k1, q));
     }
     _mm256_storeu_si256((__m256i *)out, low);
     _mm256_storeu_si256((__m256i *)(out + 8), high);
@@ -327,8 +331,9 @@ static void quantise_keys(const hf_sparsemax_params *p, int64_t b, int64_t h) {
 /* The certified scores of task (b, h): the keys not certified, ascending, in kept[0..*n), and their exact scores
    (as score_keys writes them) in compact[i * *n + k] for every query row i; the keys certified are never read.
    Returns the keys of [0, length) certified, or -1 where a query row is not finite or memory could not be had
-   (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are computed in float32 (a few roundings of u each, far inside the slack of E above), the
-   lanes of a block of codes branch-free so that the compiler vectorises them. */
+   (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are computed in
+   float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of codes
+   branch-free so that the compiler vectorises them. */
 static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
                                 const float *const *mask_rows, float *row, float *scores, int64_t *kept,
                                 float *compact, int64_t *n) {
@@ -378,7 +383,8 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
             if (block) block_products(e + i * dim, block, dim, products);
             else memset(products, 0, sizeof products);
             for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
-            float sc = spec[3 * i], bound = spec[3 * i + 1], *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
+            float sc = spec[3 * i], bound = spec[3 * i + 1];
+            float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
                 float t = sc * scale_k[l] * (float)products[l] + m[l];
