@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from hf_sparsemax.attention import fused, keycodes, pages
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import SETUPS, materialised, module_for
+from test_attention_skipping import greedy_with_and_without_skipping
 
 B, H, H_KV, D, KV = 2, 4, 2, 16, 150
 MIN = torch.finfo(torch.float32).min
@@ -236,17 +237,5 @@ def test_memory_of_the_codes():
 def test_greedy_generate_on_the_pretrained_model_is_the_same_with_the_certificate(monkeypatch, attn="entmax15"):
     """SmolLM2 (float32) on a prompt of fortunes: greedy ``generate`` gives the same tokens with the int8
     certificate (from 64 cached keys here) and without it, and the certificate skipped most keys."""
-    import hf_sparsemax as hs
-    from hf_sparsemax.app.assets import fortunes, load_smollm2
-
-    model, tokenizer = load_smollm2(dtype=torch.float32)
-    hs.patch_model(model.eval(), attn=attn)
-    ids = tokenizer("\n\n".join(fortunes()), return_tensors="pt").input_ids[:, :120]
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(pages.ENVIRONMENT, flag)
-        with torch.no_grad():
-            runs[flag] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-        if flag == "1":
-            assert keycodes.certified_share() > 0.5, keycodes.certified_share()
-    assert torch.equal(runs["1"], runs["0"])
+    runs = greedy_with_and_without_skipping(attn, monkeypatch, 120, 8, lambda: keycodes.certified_share() > 0.5)
+    assert torch.equal(*runs)

@@ -25,7 +25,9 @@ brought up to date incrementally: a decoding step adds a full page every ``PAGE`
 ``MIN_KEYS`` summarises the prefix. The attention function does not receive the cache, so a forward pre-hook
 on each attention module (:func:`remember_cache`, installed by the attention swap) hands it the module's cache
 layer, and checks before the cache changes that the summary still describes its keys (the same tensor, not
-modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. Switched off with the
+modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. The summary also carries
+the keys' int8 copies where the fused kernel serves the step (:mod:`.keycodes`: a per-key bound that certifies
+rotary keys, where page bounds certify none; the pages are then not summarised). Switched off with the
 environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
 """
 
