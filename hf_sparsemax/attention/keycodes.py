@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import MAX_CODED_DIM
+from .fused import KEY_DTYPES, MAX_CODED_DIM
 from .fused import decode as fused_decode
 
 GROW = 512  # key slots added at a time to a dynamic cache's codes
@@ -87,8 +87,8 @@ def coded_attention(problem, summary, length: int) -> torch.Tensor | None:
     fused kernel with the int8 certificate (the codes on ``summary``, a :class:`.pages.PageSummary`), or None where
     the kernel does not serve the call (the caller's other paths then)."""
     key = problem.key
-    if not KeyCodes.serves(key):
-        return None
+    if problem.query.dtype != torch.float32 or key.dtype not in KEY_DTYPES or not KeyCodes.serves(key):
+        return None  # the kernel does not serve it (no codes kept for a cache it never reads)
     codes = getattr(summary, "codes", None)
     if codes is None or not codes.fits(key):
         codes = summary.codes = KeyCodes(key)
