@@ -239,3 +239,14 @@ def test_greedy_generate_on_the_pretrained_model_is_the_same_with_the_certificat
     certificate (from 64 cached keys here) and without it, and the certificate skipped most keys."""
     runs = greedy_with_and_without_skipping(attn, monkeypatch, 120, 8, lambda: keycodes.certified_share() > 0.5)
     assert torch.equal(*runs)
+
+
+def test_calls_the_kernel_does_not_serve_keep_no_codes(monkeypatch):
+    """A float16 cache (the kernel reads float32 and bfloat16): the page bounds' path, no int8 copy kept."""
+    module, attn = module_for("sparsemax", torch.float32)
+    module.eval()
+    q, k, v = (t.half() for t in inputs(B, 1, KV, seed=17))
+    cache, keys, values = cached(k, v)
+    out = step(module, attn, q, cache, keys, values, None)
+    assert getattr(cache.layers[0], pages.SUMMARY_ATTR).codes is None and keycodes.COUNTS["calls"] == 0
+    assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
