@@ -32,6 +32,7 @@ from ..mappings import compiled
 from ..mappings._core import masked_below
 from .fused import decode as fused_decode
 from .blocks import Block, block_alpha, block_scores, grouped, work_operands
+from .keycodes import coded_attention
 from .pages import skipping_attention, weighted_values
 
 MAX_QUERIES = 16  # query rows per sequence up to which a call counts as a decoding step
@@ -53,20 +54,24 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``, ``mask`` additive, broadcastable to
     ``[B, H, q, kv]``, or None (every key seen); ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None (then
     ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager exact row solver;
-    ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`) to skip the pages that
-    provably weigh nothing (:func:`.pages.skipping_attention`), or None.
+    ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`), or None: with it the
+    fused kernel reads only the keys its int8 certificate cannot exclude (:func:`.keycodes.coded_attention`; the
+    full step's output bit for bit), or where the kernel does not serve the call, the pages that provably weigh
+    nothing are skipped (:func:`.pages.skipping_attention`).
     """
     batch, heads, rows, _ = query.shape
     keys = key.shape[-2]
     query, _, _, mask = work_operands(query, None, None, mask)  # a half cache stays as it is: rows read are cast
     problem = grouped(query, key, value, mask, False, alpha.detach() if alpha is not None else fixed_alpha,
                       scaling, threshold)
-    if pages is not None:
+    out = None if pages is None else coded_attention(problem, *pages)  # the kernel with the int8 certificate
+    if pages is not None and out is None:  # the kernel does not serve the call: page bounds
         row_alpha = block_alpha(problem, Block(0, rows, 0, keys), problem.query.dtype)
         out = skipping_attention(problem, *pages, row_alpha, MIN_SCORES)
         if out is not None:
             return out.to(value.dtype).view(batch, heads, rows, -1).transpose(1, 2).contiguous()
-    out = fused_decode(problem, problem.alpha)  # [B, Hkv, G q, D], or None: the steps below
+    if out is None:
+        out = fused_decode(problem, problem.alpha)  # [B, Hkv, G q, D], or None: the steps below
     if out is None:
         scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
         p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,

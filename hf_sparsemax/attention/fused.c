@@ -22,6 +22,7 @@
    FIELDS (hf_sparsemax.attention.fused) into the header included below, and so are the solver's constants
    (tolerance, max_iter, candidate_margin, sort_below): nothing here restates them. */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -101,12 +102,13 @@ static double newton(const candidate *c, int64_t n, double alpha, const hf_spars
 }
 
 /* One row of scores s[0..keys) (masked keys at or below p->masked) to out_i = sum_j p_j v_j, the value rows at
-   value + j * v_n; `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
+   value + index[j] * v_n (index NULL: value + j * v_n; an index ascending keeps the candidates' order);
+   `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
    rounding). Sparsemax and 1.5-entmax rows with at most p->sort_below candidates take the closed form on the
    sorted candidates, the others Newton's method. Where tau_out is not NULL, the row's tau goes there (NaN where
    the row has none: it sees no key, or holds NaN / +inf). */
-static void attend_row(const float *s, int64_t keys, double alpha, candidate *chosen, const void *value,
-                       const hf_sparsemax_params *p, float *oi, double *tau_out) {
+static void attend_keys(const float *s, int64_t keys, const int64_t *index, double alpha, candidate *chosen,
+                        const void *value, const hf_sparsemax_params *p, float *oi, double *tau_out) {
     int64_t v_n = p->v_n, value_dim = p->value_dim;
     int bf16 = p->bf16;
     float masked = p->masked;
@@ -129,7 +131,7 @@ static void attend_row(const float *s, int64_t keys, double alpha, candidate *ch
         double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
         if (z > -p->candidate_margin) {
             chosen[n].z = z;
-            chosen[n++].j = j;
+            chosen[n++].j = index ? index[j] : j;
         }
     }
     double tau;
@@ -150,9 +152,293 @@ static void attend_row(const float *s, int64_t keys, double alpha, candidate *ch
     }
 }
 
+/* attend_keys over all the keys of a row of scores (index NULL: score j is key j). */
+static void attend_row(const float *s, int64_t keys, double alpha, candidate *chosen, const void *value,
+                       const hf_sparsemax_params *p, float *oi, double *tau_out) {
+    attend_keys(s, keys, NULL, alpha, chosen, value, p, oi, tau_out);
+}
+
+/* The exact scores of the keys [from, to) of task (b, h) for its `rows` query rows q, written to
+   scores[i * keys + j]: s_ij = fl(fl(sum_d q_id k_jd) * scaling) (+ m_ij, or -inf where masked). Not inlined, so
+   that the full step and the certified step compute every score with the same instructions (the same value). */
+__attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, int64_t b, int64_t h,
+                                                 const float *q, const float *const *mask_rows, int64_t from,
+                                                 int64_t to, float *row, float *scores) {
+    int64_t rows = p->rows, keys = p->keys, dim = p->dim;
+    for (int64_t j = from; j < to; j++) { /* each key row read once, scored by every query row */
+        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
+        const float *kj = (const float *)p->key + at;
+        if (p->bf16) {
+            for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
+            kj = row;
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float *qi = q + i * dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
+            float s = acc * p->scaling;
+            if (p->mask) {
+                float m = mask_rows[i][j * p->m_n];
+                s = m <= p->masked ? -INFINITY : s + m;
+            }
+            scores[i * keys + j] = s;
+        }
+    }
+}
+
+/* ---- The int8 key certificate ------------------------------------------------------------------------------
+
+   Each cached key k (dim channels) has an int8 copy c = round(k / s_k), |c_d| <= 127, with the scale
+   s_k = max_d |k_d| / 127 (float32), kept beside the cache (codes, code_scales) and written by quantise_keys as
+   keys are appended. Per task (batch row, kv head) code_bounds holds rho = max_k ||k - s_k c||_2 / s_k (the
+   largest rounding residual in units of the key's scale, <= sqrt(dim) / 2) and kappa = max_k ||c||_2, both rounded
+   up; a crop keeps them (still upper bounds), a rebuild (coded = 0) starts them again.
+
+   A query row q is quantised with int16 codes e = round(q / s_q), s_q = max_d |q_d| / 32767 (int16 rather than
+   int8: the integer product costs the same sign extension and vpmaddwd either way, and the query's rounding term
+   below becomes 256 times smaller). The integer product a = sum_d e_d c_d is exact in int32 (|a| <= dim 32767 127
+   < 2^31 for dim <= 512), and t = scaling s_q s_k a (+ m) approximates the kernel's float score s (score_keys).
+
+   The bound. Write q' = s_q e, r_q = q - q', k' = s_k c, r_k = k - k' (real numbers). Then
+       q.k = q.k' + q.r_k = q'.k' + r_q.k' + q.r_k,   so   |q.k - s_q s_k a| <= ||q|| ||r_k|| + ||r_q|| ||k'||
+                                                                        <= s_k (||q|| rho + ||r_q|| kappa).
+   The kernel's s is not q.k: its float32 sum of dim products (any order, fused or not) is within
+   gamma ||q|| ||k|| of q.k (gamma = dim u / (1 - dim u), u = 2^-24; sum_d |q_d k_d| <= ||q|| ||k|| by
+   Cauchy-Schwarz, ||k|| <= s_k (rho + kappa)), then scaled and added to m with one rounding each (u |result|).
+   t is computed in float32 (s_q scaling rounded once, then three operations: within 5u (|t| + |m|); the int32
+   product converted exactly up to 2^24, within u beyond). Hence, with
+       E = (1 + 1e-6) [ s_k A_q + 1e-5 (|t| + |m|) ],
+       A_q = scaling (||q|| rho + ||r_q|| kappa + 2 (dim + 4) u ||q|| (rho + kappa)),
+   (the norms computed in double and rounded up, A_q then rounded to float32), every score the full step computes
+   lies in [t - E, t + E]: the 1e-5 term is over 20 times the roundings of t, of the scaling and of the mask's
+   addition, and the factor (1 + 1e-6) covers the roundings of E, t - E and t + E in float32 (a few u each).
+
+   The certificate. Per query row, M = max_j (t_j - E_j) <= max_j s_j (the row's max, `top` in attend_row). The
+   full step's candidates are the keys with z_j = (alpha - 1)(s_j - top) > -candidate_margin; a key with
+   (alpha - 1)(t_j + E_j - M) <= -candidate_margin - 1e-9 (the cut M - (candidate_margin + 1e-9) / (alpha - 1)
+   rounded down to float32) has z_j <= -candidate_margin (the 1e-9: z's rounding in double), so it is no
+   candidate (weight exactly 0: tau >= -1 > -candidate_margin). A key certified so for every query row of its
+   kv head is never read, and left out of the rows handed to the solver (attend_keys over the kept keys, their
+   indices ascending). Every other key is scored exactly by score_keys (the row's maximum among them: its
+   t + E >= s_max >= M). So the certified step hands the solver the same candidates with the same scores, in the
+   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
+   certifies nothing (the comparisons are written so), and the full step's NaN output follows. */
+
+#define UNIT_ROUNDOFF 5.9604644775390625e-08 /* 2^-24, float32's */
+
+/* The codes' layout: per task, blocks of CODE_BLOCK keys (the slots' strides are multiples of it), in a block
+   channel pair by channel pair, key by key: channel d of slot j at code_at(j, d). A block's 16 keys then take
+   one 32-byte load per channel pair, widened to int16 and multiplied-and-added against the query's pair
+   (vpmaddwd: two int16 products summed into each int32 lane, one lane a key), so no horizontal sum is needed. */
+#define CODE_BLOCK 16
+static inline int64_t code_at(int64_t slot, int64_t d, int64_t dim) {
+    return (slot - slot % CODE_BLOCK) * dim + (d / 2) * (2 * CODE_BLOCK) + (slot % CODE_BLOCK) * 2 + d % 2;
+}
+
+#if defined(__AVX512BW__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__)
+#define MULTIPLY_ADD(acc, k, q) _mm512_dpwssd_epi32(acc, k, q)
+#elif defined(__AVX512BW__)
+#define MULTIPLY_ADD(acc, k, q) _mm512_add_epi32(acc, _mm512_madd_epi16(k, q))
+#endif
+
+/* out[l] = sum_d e_d c_{l, d}, exact in int32, for the CODE_BLOCK keys of a block (dim even): AVX-512 (with
+   VNNI's vpdpwssd where the build machine has it), AVX2, or plain C, chosen at build time (-march=native). */
+static void block_products(const int16_t *e, const int8_t *block, int64_t dim, int32_t *out) {
+#if defined(__AVX512BW__)
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: half the latency */
+    int64_t d2 = 0;
+    for (; d2 + 1 < dim / 2; d2 += 2) {
+        int32_t pairs[2];
+        memcpy(pairs, e + 2 * d2, sizeof pairs);
+        __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+        __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * (d2 + 1))));
+        even = MULTIPLY_ADD(even, k0, _mm512_set1_epi32(pairs[0]));
+        odd = MULTIPLY_ADD(odd, k1, _mm512_set1_epi32(pairs[1]));
+    }
+    if (d2 < dim / 2) {
+        int32_t pair;
+        memcpy(&pair, e + 2 * d2, sizeof pair);
+        __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+        even = MULTIPLY_ADD(even, k, _mm512_set1_epi32(pair));
+    }
+    _mm512_storeu_si512((void *)out, _mm512_add_epi32(even, odd));
+#elif defined(__AVX2__)
+    __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+        int32_t pair;
+        memcpy(&pair, e + 2 * d2, sizeof pair);
+        __m256i q = _mm256_set1_epi32(pair);
+        const int8_t *at = block + 2 * CODE_BLOCK * d2;
+        __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+        __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
+        low = _mm256_add_epi32(low, _mm256_madd_epi16(k0, q));
+        high = _mm256_add_epi32(high, _mm256_madd_epi16(k1, q));
+    }
+    _mm256_storeu_si256((__m256i *)out, low);
+    _mm256_storeu_si256((__m256i *)(out + 8), high);
+#else
+    for (int64_t l = 0; l < CODE_BLOCK; l++) out[l] = 0;
+    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+        const int8_t *at = block + 2 * CODE_BLOCK * d2;
+        for (int64_t l = 0; l < CODE_BLOCK; l++)
+            out[l] += (int32_t)e[2 * d2] * at[2 * l] + (int32_t)e[2 * d2 + 1] * at[2 * l + 1];
+    }
+#endif
+}
+
+/* Write the int8 codes and scales of the keys [p->coded, p->length) of task (b, h) and bring its rho, kappa
+   (code_bounds[2 task], [2 task + 1]) up to date (reset first where coded is 0). A key with a NaN or infinite
+   entry, or too small to scale, gets a NaN scale: never certified. */
+static void quantise_keys(const hf_sparsemax_params *p, int64_t b, int64_t h) {
+    int64_t dim = p->dim, task = b * p->kv_heads + h;
+    double *bounds = p->code_bounds + 2 * task;
+    if (p->coded == 0) bounds[0] = bounds[1] = 0.0;
+    for (int64_t j = p->coded; j < p->length; j++) {
+        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n, slot = b * p->c_b + h * p->c_h + j;
+        float top = 0.0f;
+        for (int64_t d = 0; d < dim; d++) {
+            float x = fabsf(widen(p->key, at + d, p->bf16));
+            top = x > top || isnan(x) ? x : top;
+        }
+        float scale = top / 127.0f;
+        if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) { /* NaN or infinite, or underflows */
+            for (int64_t d = 0; d < dim; d++) p->codes[code_at(slot, d, dim)] = 0;
+            p->code_scales[slot] = NAN;
+            continue;
+        }
+        double residual = 0.0, norm = 0.0;
+        for (int64_t d = 0; d < dim; d++) {
+            float x = widen(p->key, at + d, p->bf16);
+            float v = scale > 0.0f ? rintf(x / scale) : 0.0f;
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            p->codes[code_at(slot, d, dim)] = (int8_t)v;
+            double r = (double)x - (double)scale * (double)v; /* the product exact in double */
+            residual += r * r;
+            norm += (double)v * (double)v;
+        }
+        p->code_scales[slot] = scale;
+        double rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + 1e-12) : 0.0;
+        double kappa = sqrt(norm) * (1.0 + 1e-15);
+        if (rho > bounds[0]) bounds[0] = rho;
+        if (kappa > bounds[1]) bounds[1] = kappa;
+    }
+}
+
+/* The certified scores of task (b, h): the keys not certified, ascending, in kept[0..*n), and their exact scores
+   (as score_keys writes them) in compact[i * *n + k] for every query row i; the keys certified are never read.
+   Returns the keys of [0, length) certified, or -1 where a query row is not finite or memory could not be had
+   (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are computed in
+   float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of codes
+   branch-free so that the compiler vectorises them. */
+static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
+                                const float *const *mask_rows, float *row, float *scores, int64_t *kept,
+                                float *compact, int64_t *n) {
+    int64_t rows = p->rows, keys = p->keys, dim = p->dim, task = b * p->kv_heads + h;
+    int16_t *e = malloc(sizeof(int16_t) * rows * dim);
+    float *spec = malloc(sizeof(float) * rows * 3);         /* per row: scaling s_q, A_q, the cut on t + E */
+    float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* per row and lane: the largest t - E */
+    if (!e || !spec || !lows) {
+        free(e), free(spec), free(lows);
+        return -1;
+    }
+    double rho = p->code_bounds[2 * task], kappa = p->code_bounds[2 * task + 1], u = UNIT_ROUNDOFF;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *qi = q + i * dim;
+        float top = 0.0f;
+        for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
+        float scale = top / 32767.0f;
+        if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
+            free(e), free(spec), free(lows);
+            return -1;
+        }
+        double norm = 0.0, residual = 0.0;
+        for (int64_t d = 0; d < dim; d++) {
+            float v = scale > 0.0f ? rintf(qi[d] / scale) : 0.0f;
+            v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+            e[i * dim + d] = (int16_t)v;
+            double r = (double)qi[d] - (double)scale * (double)v;
+            norm += (double)qi[d] * (double)qi[d];
+            residual += r * r;
+        }
+        norm = sqrt(norm) * (1.0 + 1e-12), residual = sqrt(residual) * (1.0 + 1e-12);
+        spec[3 * i] = (float)((double)p->scaling * scale);
+        spec[3 * i + 1] = (float)(fabs((double)p->scaling) *
+                                  (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa)));
+        for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
+    }
+    float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
+    float error = (float)p->code_error * (1.0f + 1e-6f); /* code_error is 1 (0 only in a test: no bound) */
+    int32_t products[CODE_BLOCK];
+    float scale_k[CODE_BLOCK], m[CODE_BLOCK];
+    /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
+    for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
+        int64_t base = b * p->c_b + h * p->c_h + start, count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
+        const int8_t *block = start < p->length ? p->codes + base * dim : NULL; /* beyond: no codes (not read) */
+        for (int64_t l = 0; l < CODE_BLOCK; l++) scale_k[l] = start + l < p->length ? p->code_scales[base + l] : NAN;
+        for (int64_t i = 0; i < rows; i++) {
+            if (block) block_products(e + i * dim, block, dim, products);
+            else memset(products, 0, sizeof products);
+            for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
+            float sc = spec[3 * i], bound = spec[3 * i + 1];
+            float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
+#pragma omp simd
+            for (int64_t l = 0; l < count; l++) {
+                float t = sc * scale_k[l] * (float)products[l] + m[l];
+                float err = (scale_k[l] * bound + 1e-5f * (fabsf(t) + fabsf(m[l]))) * error;
+                float lo = t - err, hi = t + err, old = low[l];
+                int masked = m[l] <= level;
+                hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */
+                lo = masked ? -INFINITY : lo;
+                up[l] = masked ? -INFINITY : hi;
+                low[l] = lo > old ? lo : old;
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
+        double am1 = alpha - 1.0, top = -INFINITY;
+        for (int64_t l = 0; l < CODE_BLOCK; l++) top = lows[i * CODE_BLOCK + l] > top ? lows[i * CODE_BLOCK + l] : top;
+        double cut = am1 > 0.0 ? top - (p->candidate_margin + 1e-9) / am1 : -INFINITY;
+        float rounded = (float)cut;
+        spec[3 * i + 2] = (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded; /* rounded down */
+    }
+    /* pass 2: a key some row cannot certify is read and scored exactly (those few, compacted) */
+    int64_t certified = 0, found = 0;
+    unsigned char keep[CODE_BLOCK];
+    for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
+        int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK, any = 0;
+        memset(keep, 0, sizeof keep);
+        for (int64_t i = 0; i < rows; i++) {
+            const float *up = scores + i * keys + start;
+            float cut = spec[3 * i + 2];
+            for (int64_t l = 0; l < count; l++) keep[l] |= !(up[l] <= cut);
+        }
+        for (int64_t l = 0; l < count; l++) any += keep[l];
+        int64_t coded = p->length - start < count ? (p->length > start ? p->length - start : 0) : count;
+        certified += coded;
+        for (int64_t l = 0; any && l < count; l++) {
+            if (!keep[l]) continue;
+            kept[found++] = start + l;
+            certified -= l < coded;
+        }
+    }
+    for (int64_t k = 0; k < found; k++) score_keys(p, b, h, q, mask_rows, kept[k], kept[k] + 1, row, scores);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t k = 0; k < found; k++) compact[i * found + k] = scores[i * keys + kept[k]];
+    *n = found;
+    free(e), free(spec), free(lows);
+    return certified;
+}
+
 /* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
    values through their strides, an additive mask through its strides (or NULL), alphas one per query head (or
-   NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. */
+   NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. Where codes is not NULL, the keys
+   [coded, length) are quantised first, and where certify is set the keys certified (above) are not read;
+   certified[task] (where not NULL) gets their number (-1: the task scored every key). */
 int hf_sparsemax_decode(const hf_sparsemax_params *p) {
     int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, dim = p->dim, q_rows = p->q_rows;
     const float *mask = p->mask;
@@ -172,34 +458,29 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
         }
         for (int64_t i = 0; mask && i < rows; i++) /* row i: query head i / q_rows of the group, its row i % q_rows */
             mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
-        for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
-            int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
-            const float *kj = (const float *)p->key + at;
-            if (p->bf16) {
-                for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
-                kj = row;
-            }
-            for (int64_t i = 0; i < rows; i++) {
-                const float *qi = q + i * dim;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < dim; d++) acc += qi[d] * kj[d];
-                float s = acc * p->scaling;
-                if (mask) {
-                    float m = mask_rows[i][j * p->m_n];
-                    s = m <= p->masked ? -INFINITY : s + m;
-                }
-                scores[i * keys + j] = s;
-            }
+        int64_t certified = -1, n = keys, *kept = NULL;
+        float *compact = NULL;
+        if (p->codes) quantise_keys(p, b, h);
+        if (p->codes && p->certify) {
+            kept = malloc(sizeof(int64_t) * keys);
+            compact = malloc(sizeof(float) * rows * keys);
+            if (kept && compact) certified = certified_scores(p, b, h, q, mask_rows, row, scores, kept, compact, &n);
         }
+        if (certified < 0) {
+            free(kept), free(compact);
+            kept = NULL, compact = scores, n = keys;
+            score_keys(p, b, h, q, mask_rows, 0, keys, row, scores);
+        }
+        if (p->certified) p->certified[task] = certified;
         const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
                                 : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
         for (int64_t i = 0; i < rows; i++) {
             double alpha = p->alphas ? (double)p->alphas[h * (rows / q_rows) + i / q_rows] : p->fixed_alpha;
             int64_t at = task * rows + i;
-            attend_row(scores + i * keys, keys, alpha, chosen, v, p, p->out + at * p->value_dim,
-                       p->taus ? p->taus + at : NULL);
+            attend_keys(compact + i * n, n, kept, alpha, chosen, v, p, p->out + at * p->value_dim,
+                        p->taus ? p->taus + at : NULL);
         }
+        if (kept) free(kept), free(compact);
         free(scores), free(row), free(chosen), free(mask_rows);
     }
     return stopped;

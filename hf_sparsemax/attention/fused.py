@@ -44,6 +44,8 @@ from ..mappings.entmax import MAX_ITER, TOLERANCE  # the eager solver's stopping
 from .kernel_build import build_library, folder_problem, wanted_folder, warn_once
 
 SORT_BELOW = 128  # sparsemax / 1.5-entmax rows with at most this many candidates: the closed form on them sorted
+CODE_ERROR = 1.0  # the factor of the int8 certificate's error bound: 1 (a test sets 0 to show the bound matters)
+MAX_CODED_DIM = 512  # head sizes whose int16 x int8 code products stay exact in int32 (fused.c)
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 _failed: list[str] = []
 
@@ -65,6 +67,12 @@ FIELDS = (  # (name, ctypes type, C type where a pointer): the one declaration o
     # the solver: Newton's stopping step and cap, the candidates z > -candidate_margin, the closed forms' limit
     ("tolerance", _F64), ("candidate_margin", _F64), ("max_iter", _I64), ("sort_below", _I64),
     ("bf16", _I32), ("threads", _I32),
+    # the int8 key certificate (fused.c): codes [B, Hkv, capacity, dim] int8 and code_scales [B, Hkv, capacity]
+    # (strides c_b, c_h in keys), code_bounds [B, Hkv, 2] (rho, kappa); keys [coded, length) quantised by the call,
+    # the keys certified not read where certify is set; certified[task]: their number (-1: every key scored)
+    ("codes", _PTR, "int8_t *"), ("code_scales", _PTR, "float *"), ("code_bounds", _PTR, "double *"),
+    ("certified", _PTR, "int64_t *"), ("c_b", _I64), ("c_h", _I64), ("coded", _I64), ("length", _I64),
+    ("certify", _I32), ("code_error", _F64),  # code_error: the factor of the bound's E (1; 0 only in a test)
 )
 
 
@@ -142,9 +150,15 @@ def new_output(*shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device="cpu")
 
 
-def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
+def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
+           certify: bool = False) -> torch.Tensor | None:
     """``out [B, Hkv, G q, D]`` (float32) of a decoding call's :class:`.blocks.Problem` (``alpha`` a float, or
-    ``[1, Hkv, G, 1, 1]`` learned per head), or None where the kernel does not serve it (module docstring)."""
+    ``[1, Hkv, G, 1, 1]`` learned per head), or None where the kernel does not serve it (module docstring).
+
+    ``codes`` (a :class:`.keycodes.KeyCodes` of the cache, or None): the call first writes the int8 copies of the
+    keys ``[codes.coded, length)`` and, where ``certify``, reads only the keys the int8 certificate does not
+    exclude (the same output, bit for bit; ``codes.certified`` gets each task's count). A failed call leaves
+    ``codes.coded`` at 0 (rebuilt on the next call)."""
     query, key, value, mask = problem.query, problem.key, problem.value, problem.mask
     if (query.dtype != torch.float32 or query.device.type != "cpu" or key.dtype not in KEY_DTYPES
             or value.dtype != key.dtype or key.stride(-1) != 1 or value.stride(-1) != 1
@@ -177,7 +191,20 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
         v_b=value.stride(0), v_h=value.stride(1), v_n=value.stride(2), m_b=strides[0], m_h=strides[1],
         m_g=strides[2], m_r=strides[3], m_n=strides[4], scaling=problem.scaling,
         fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype])
+    if codes is not None:
+        checked("key codes", codes.codes, (batch, kv_heads, None, dim), device)
+        checked("key scales", codes.scales, (batch, kv_heads, codes.codes.shape[2]), device)
+        if not (codes.coded <= length <= min(keys, codes.codes.shape[2])) or dim > MAX_CODED_DIM or dim % 2:
+            raise ValueError(f"fused attention kernel: key codes of {codes.coded} keys, {codes.codes.shape[2]} "
+                             f"slots, dim {dim} cannot code {length} keys of {keys}")
+        params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()
+        params.code_bounds, params.certified = codes.bounds.data_ptr(), codes.certified.data_ptr()
+        params.c_b, params.c_h = codes.scales.stride(0), codes.scales.stride(1)
+        params.coded, params.length, params.certify = codes.coded, length, int(certify)
+        params.code_error = CODE_ERROR
     stopped = library().hf_sparsemax_decode(ctypes.byref(params))
+    if codes is not None:
+        codes.coded = 0 if stopped else length
     return None if stopped else out
 
 

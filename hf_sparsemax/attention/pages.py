@@ -25,7 +25,9 @@ brought up to date incrementally: a decoding step adds a full page every ``PAGE`
 ``MIN_KEYS`` summarises the prefix. The attention function does not receive the cache, so a forward pre-hook
 on each attention module (:func:`remember_cache`, installed by the attention swap) hands it the module's cache
 layer, and checks before the cache changes that the summary still describes its keys (the same tensor, not
-modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. Switched off with the
+modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. The summary also carries
+the keys' int8 copies where the fused kernel serves the step (:mod:`.keycodes`: a per-key bound that certifies
+rotary keys, where page bounds certify none; the pages are then not summarised). Switched off with the
 environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
 """
 
@@ -89,6 +91,7 @@ class PageSummary:
         self.mins = self.maxs = key.new_empty(batch, heads, 0, dim)
         self.source, self.version, self.length, self.carried = None, -1, 0, False
         self.wait = 0  # decoding steps before the next try (after one that did not pay: RETRY)
+        self.codes = None  # the keys' int8 copies (.keycodes.KeyCodes), where the fused kernel certifies
 
     @property
     def pages(self) -> int:
@@ -100,6 +103,11 @@ class PageSummary:
         return (self.source is not None and self.source() is keys and keys._version == self.version
                 and filled(layer) >= self.length)
 
+    def track(self, key: torch.Tensor, length: int) -> "PageSummary":
+        """Record that the pages (and codes) describe ``key[..., :length, :]`` (brought up to date on use)."""
+        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
+        return self
+
     def update(self, key: torch.Tensor, length: int) -> "PageSummary":
         """Summarise the full pages of ``key[..., :length, :]`` not summarised yet."""
         pages = length // PAGE
@@ -107,11 +115,10 @@ class PageSummary:
             new = key[:, :, self.pages * PAGE : pages * PAGE].unflatten(2, (pages - self.pages, PAGE))
             self.mins = torch.cat([self.mins, new.amin(3)], dim=2)
             self.maxs = torch.cat([self.maxs, new.amax(3)], dim=2)
-        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
-        return self
+        return self.track(key, length)
 
     def __getstate__(self):  # a copied summary describes no tensor (rebuilt on use)
-        return dict(vars(self), source=None)
+        return dict(vars(self), source=None, codes=None)
 
 
 def remember_cache(module, args, kwargs) -> None:
@@ -161,7 +168,7 @@ def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[P
                                and key._version == summary.version) or summary.mins.shape[:2] != key.shape[:2]:
         summary = PageSummary(key)
         setattr(layer, SUMMARY_ATTR, summary)
-    return summary.update(key, length), length
+    return summary.track(key, length), length
 
 
 def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float) -> torch.Tensor:
@@ -216,6 +223,7 @@ def skipping_attention(problem, summary: PageSummary, length: int, row_alpha, mi
     many (then the next ``RETRY`` steps do not try: the bound is loose on keys whose channels vary within a page).
     """
     batch, kv_heads = problem.key.shape[:2]
+    summary.update(problem.key, length)
     full, pages = summary.pages * PAGE, summary.pages
     COUNTS["calls"] += 1
     COUNTS["pages"] += batch * kv_heads * pages

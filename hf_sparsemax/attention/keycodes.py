@@ -1,0 +1,108 @@
+"""The int8 key certificate: an int8 copy of every cached key, and decoding steps that never read the keys it
+proves weigh nothing.
+
+Page bounds (:mod:`.pages`) certify no page of a rotary model's keys; a bound per key does. Beside the cache's
+page summary (:class:`.pages.PageSummary`: it follows the cache's appends, crops, reorders and static slots, and a
+new summary starts new codes), :class:`KeyCodes` keeps per batch row, kv head and cached key ``k`` the codes
+``c = round(k / s_k)`` (int8, ``s_k = max |k| / 127``) and the scale ``s_k`` (float32), and per batch row and kv
+head the largest rounding residual and code norm. The fused kernel (:func:`.fused.decode`, ``fused.c``) writes the
+codes of the keys appended since its last call (one call per layer and step, the step itself: no torch operation
+per key), scores every key's codes against the query rows' int16 codes with integer products, bounds each float
+score within ``E`` of its approximation (the proof is in ``fused.c``: the key's and the query's rounding and the
+float32 sums), and reads the float keys only of the keys some row's bound cannot place at least
+``CANDIDATE_MARGIN / (alpha - 1)`` below the row's maximum, then the value rows of the support only. Those are
+the full step's candidates with the full step's scores: the output is the full step's bit for bit.
+
+Memory: ``D + 4`` bytes a key (``D`` int8 codes and a float32 scale) against ``4 D`` for a float32 key (26.6% for
+SmolLM2's ``D = 64``), in slots of ``GROW`` keys. A layer whose step certifies less than ``MIN_CERTIFIED`` of its
+keys scores them all for the next ``RETRY`` steps (the codes are still written). On from
+:data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fused import KEY_DTYPES, MAX_CODED_DIM
+from .fused import decode as fused_decode
+
+GROW = 512  # key slots added at a time to a dynamic cache's codes
+BLOCK = 16  # keys a block of codes (CODE_BLOCK in fused.c: slots come in multiples of it)
+MIN_CERTIFIED = 0.5  # share of a step's keys certified below which the layer backs off
+RETRY = 32  # steps a layer scores every key after a step that certified less than MIN_CERTIFIED
+COUNTS = {"calls": 0, "keys": 0, "certified": 0}  # certified steps, the keys they had, the keys never read
+
+
+def certified_share() -> float:
+    """The share of keys never read by the certified steps counted in :data:`COUNTS` (0 when there were none)."""
+    return COUNTS["certified"] / COUNTS["keys"] if COUNTS["keys"] else 0.0
+
+
+def reset_counts() -> None:
+    COUNTS.update(calls=0, keys=0, certified=0)
+
+
+class KeyCodes:
+    """``codes [B, Hkv, slots, D]`` int8, ``scales [B, Hkv, slots]`` float32 of the first ``coded`` keys of a
+    cache layer; ``bounds [B, Hkv, 2]`` float64 (the largest residual norm in units of the key's scale, the largest
+    code norm); ``certified [B Hkv]`` the last certified step's count per kv head."""
+
+    def __init__(self, key: torch.Tensor) -> None:
+        batch, heads, _, dim = key.shape
+        self.codes = torch.empty(batch, heads, 0, dim, dtype=torch.int8, device=key.device)
+        self.scales = torch.empty(batch, heads, 0, dtype=torch.float32, device=key.device)
+        self.bounds = torch.zeros(batch, heads, 2, dtype=torch.float64, device=key.device)
+        self.certified = torch.zeros(batch * heads, dtype=torch.int64, device=key.device)
+        self.coded = 0
+        self.wait = 0  # steps before the next certified one (after one that did not pay: RETRY)
+
+    def fits(self, key: torch.Tensor) -> bool:
+        return self.codes.shape[:2] == key.shape[:2] and self.codes.shape[-1] == key.shape[-1]
+
+    @staticmethod
+    def serves(key: torch.Tensor) -> bool:
+        """Whether keys of this head size can be coded: even (channel pairs), products exact in int32."""
+        return key.shape[-1] % 2 == 0 and key.shape[-1] <= MAX_CODED_DIM
+
+    def reserve(self, length: int, slots: int) -> None:
+        """Room for ``length`` keys: a static cache's ``slots`` at once, a dynamic one's in steps of ``GROW``."""
+        if length <= self.codes.shape[2]:
+            return
+        size = -(-(slots if slots > length else -(-length // GROW) * GROW) // BLOCK) * BLOCK
+        batch, heads, _, dim = self.codes.shape
+        codes = self.codes.new_empty(batch, heads, size, dim)
+        scales = self.scales.new_empty(batch, heads, size)
+        blocks = -(-self.coded // BLOCK) * BLOCK  # the codes' blocks are laid out together (fused.c, code_at)
+        codes[:, :, :blocks] = self.codes[:, :, :blocks]
+        scales[:, :, : self.coded] = self.scales[:, :, : self.coded]
+        self.codes, self.scales = codes, scales
+
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales (slots included; the per-head bounds are 16 bytes a kv head)."""
+        return self.codes.nbytes + self.scales.nbytes + self.bounds.nbytes
+
+
+def coded_attention(problem, summary, length: int) -> torch.Tensor | None:
+    """``out [B, Hkv, G q, D]`` of a decoding step (:class:`.blocks.Problem`, keys ``[0, length)`` written) by the
+    fused kernel with the int8 certificate (the codes on ``summary``, a :class:`.pages.PageSummary`), or None where
+    the kernel does not serve the call (the caller's other paths then)."""
+    key = problem.key
+    if problem.query.dtype != torch.float32 or key.dtype not in KEY_DTYPES or not KeyCodes.serves(key):
+        return None  # the kernel does not serve it (no codes kept for a cache it never reads)
+    codes = getattr(summary, "codes", None)
+    if codes is None or not codes.fits(key):
+        codes = summary.codes = KeyCodes(key)
+    codes.reserve(length, key.shape[-2])
+    certify = codes.wait == 0
+    codes.wait = max(codes.wait - 1, 0)
+    out = fused_decode(problem, problem.alpha, codes=codes, length=length, certify=certify)
+    if out is None or not certify:
+        return out
+    certified = int(codes.certified.clamp_min(0).sum())
+    total = key.shape[0] * key.shape[1] * length
+    COUNTS["calls"] += 1
+    COUNTS["keys"] += total
+    COUNTS["certified"] += certified
+    if certified < MIN_CERTIFIED * total:
+        codes.wait = RETRY
+    return out

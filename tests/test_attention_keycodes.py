@@ -1,0 +1,252 @@
+"""The int8 key certificate in the fused decoding kernel (:mod:`hf_sparsemax.attention.keycodes`, ``fused.c``).
+
+A decoding step with the certificate reads only the keys whose int8 bound cannot exclude them, and hands the
+solver the full step's candidates with the full step's scores: its output must equal the full step's (the
+certificate off, ``HF_SPARSEMAX_KV_SKIP=0``) bit for bit, and the materialised formula in float64 to float32
+rounding. Checked across the threshold mappings (a learned alpha per head included), one and three query rows,
+grouped heads, batches, every decoding mask (left padding, a sliding window, per-head masks, a row that sees
+nothing, a static cache's unwritten slots), keys appended step by step with a crop and a beam reorder, bfloat16
+caches, NaN keys, the back-off; that most keys are certified on such inputs; that the certificate is wrong
+without its error term (adversarial keys), so the bound is what makes it exact; the codes' memory; and greedy
+``generate`` on the pretrained SmolLM2.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_sparsemax.attention import fused, keycodes, pages
+from hf_sparsemax.attention.interface import sparse_attention_forward
+from test_attention_blocks import SETUPS, materialised, module_for
+from test_attention_skipping import greedy_with_and_without_skipping
+
+B, H, H_KV, D, KV = 2, 4, 2, 16, 150
+MIN = torch.finfo(torch.float32).min
+SCALING = 0.5
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
+
+
+@pytest.fixture(autouse=True)
+def certify_from_the_first_key(monkeypatch):
+    """Certified steps from 64 cached keys (one page), every step tried; counts from zero."""
+    monkeypatch.setattr(pages, "MIN_KEYS", 64)
+    monkeypatch.delenv(pages.ENVIRONMENT, raising=False)
+    keycodes.reset_counts()
+
+
+def inputs(batch: int, rows: int, keys: int, seed: int):
+    """``q [batch, H, rows, D]``, ``k``, ``v [batch, H_KV, keys, D]`` (float32): spread scores, few near the max."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, H, rows, D, generator=g) * 2, torch.randn(batch, H_KV, keys, D, generator=g),
+            torch.randn(batch, H_KV, keys, D, generator=g))
+
+
+def masks(batch: int, rows: int, keys: int) -> dict:
+    seen = torch.ones(batch, 1, rows, keys, dtype=torch.bool)
+    padded = seen.clone()
+    padded[-1, ..., :37] = False  # left padding
+    window = seen.clone()
+    window[..., : keys - 70] = False  # a sliding window
+    nothing = padded.clone()
+    nothing[0, ..., 0, :] = False  # a query that sees no key: zeros
+    per_head = torch.rand(batch, H, rows, keys, generator=torch.Generator().manual_seed(3)) > 0.3
+    per_head[..., -1] = True
+    additive = lambda keep: torch.zeros(keep.shape).masked_fill(~keep, MIN)  # noqa: E731
+    return {"none": None, "left padding": additive(padded), "sliding window": additive(window),
+            "per head": additive(per_head), "a query that sees nothing": additive(nothing)}
+
+
+def cached(k, v):
+    cache = DynamicCache()
+    keys, values = cache.update(k, v, 0)
+    return cache, keys, values
+
+
+def step(module, attn, q, cache, keys, values, mask):
+    """One decoding call as a model makes it: the pre-hook hands the cache layer over, then the attention."""
+    module.layer_idx = 0
+    pages.remember_cache(module, (), {"cache": cache})
+    with torch.no_grad():
+        return sparse_attention_forward(module, q, keys, values, mask, scaling=SCALING, mapping=attn)[0]
+
+
+def full_step(module, attn, q, keys, values, mask, monkeypatch):
+    """The same call with the certificate off (every key scored by the fused kernel)."""
+    with monkeypatch.context() as patch:
+        patch.setenv(pages.ENVIRONMENT, "0")
+        with torch.no_grad():
+            return sparse_attention_forward(module, q, keys, values, mask, scaling=SCALING, mapping=attn)[0]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_certified_step_equals_the_full_step_and_the_formula(setup, rows, monkeypatch):
+    q, k, v = inputs(B, rows, KV, seed=rows)
+    for name, mask in masks(B, rows, KV).items():
+        module, attn = module_for(setup, torch.float32)
+        module.eval()
+        keycodes.reset_counts()
+        cache, keys, values = cached(k, v)
+        out = step(module, attn, q, cache, keys, values, mask)
+        assert keycodes.COUNTS["calls"] == 1, name
+        assert torch.equal(out, full_step(module, attn, q, keys, values, mask, monkeypatch)), name
+        wide = None if mask is None else mask.double().masked_fill(mask == MIN, torch.finfo(torch.float64).min)
+        reference = materialised(module, setup, q.double(), k.double(), v.double(), wide, SCALING)
+        torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-5, msg=name)
+        if rows == 1 and name != "a query that sees nothing":
+            assert keycodes.certified_share() > 0.5, (name, keycodes.certified_share())
+
+
+def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
+    """Keys appended one step at a time (the codes written by each call), a crop re-grown with other keys, a
+    reorder: every step equals the full step, and the codes equal codes written afresh."""
+    module, attn = module_for("learned", torch.float32)
+    module.eval()
+    q_all, k, v = inputs(2, 1, 120, seed=5)
+    cache, keys, values = cached(k[:, :, :70], v[:, :, :70])
+    g = torch.Generator().manual_seed(6)
+    position, cropped, summaries = 70, False, set()
+    while position < 120:
+        q = torch.randn(2, H, 1, D, generator=g) * 2
+        module.layer_idx = 0
+        pages.remember_cache(module, (), {"cache": cache})
+        keys, values = cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
+        with torch.no_grad():
+            out = sparse_attention_forward(module, q, keys, values, None, scaling=SCALING, mapping=attn)[0]
+        assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
+        summary = getattr(cache.layers[0], pages.SUMMARY_ATTR)
+        summaries.add(id(summary))
+        codes = summary.codes
+        fresh = keycodes.KeyCodes(keys)
+        fresh.reserve(keys.shape[-2], keys.shape[-2])
+        problem = fused_problem(q, keys, values)
+        fused.decode(problem, 2.0, codes=fresh, length=keys.shape[-2])
+        n = keys.shape[-2]
+        assert codes.coded == n and torch.equal(codes.scales[:, :, :n], fresh.scales[:, :, :n])
+        assert torch.equal(key_codes(codes, n), key_codes(fresh, n))
+        assert torch.equal(codes.bounds, fresh.bounds)
+        position += 1
+        if position == 95 and not cropped:
+            cache.crop(-7)
+            k[:, :, 88:95] = torch.randn(2, H_KV, 7, D, generator=g)
+            position, cropped = 88, True
+        if position == 105:
+            cache.reorder_cache(torch.tensor([1, 0]))
+            k, v = k.flip(0), v.flip(0)
+    assert len(summaries) == 3  # built once, rebuilt after the crop and after the reorder
+    assert keycodes.certified_share() > 0.5
+
+
+def key_codes(codes, n: int) -> torch.Tensor:
+    """The int8 codes ``[B, Hkv, n, D]`` of the first ``n`` keys, from their blocks of 16 keys (channel pairs
+    interleaved key by key, fused.c's code_at)."""
+    batch, heads, slots, dim = codes.codes.shape
+    blocks = codes.codes.view(batch, heads, slots // 16, dim // 2, 16, 2).permute(0, 1, 2, 4, 3, 5)
+    return blocks.reshape(batch, heads, slots, dim)[:, :, :n]
+
+
+def fused_problem(q, keys, values):
+    from hf_sparsemax.attention.blocks import grouped
+
+    return grouped(q, keys, values, None, False, 2.0, SCALING, None)
+
+
+def test_static_cache_unwritten_slots(monkeypatch):
+    from transformers import LlamaConfig, StaticCache
+
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=H_KV, hidden_size=H * D)
+    cache = StaticCache(config=config, max_cache_len=200)
+    module, attn = module_for("entmax15", torch.float32)
+    q_all, k, v = inputs(1, 1, 110, seed=9)
+    cache.update(k[:, :, :100], v[:, :, :100], 0)
+    for position in range(100, 110):
+        q = torch.randn(1, H, 1, D, generator=torch.Generator().manual_seed(position)) * 2
+        module.layer_idx = 0
+        pages.remember_cache(module, (), {"cache": cache})
+        keys, values = cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
+        mask = torch.zeros(1, 1, 1, 200)
+        mask[..., position + 1 :] = MIN  # the unwritten slots
+        with torch.no_grad():
+            out = sparse_attention_forward(module, q, keys, values, mask, scaling=SCALING, mapping=attn)[0]
+        assert torch.equal(out, full_step(module, attn, q, keys, values, mask, monkeypatch))
+    assert keycodes.COUNTS["calls"] == 10 and keycodes.certified_share() > 0.5
+
+
+def test_the_bound_is_what_makes_it_exact(monkeypatch):
+    """Adversarial keys: a key with one channel large (it sets the scale) and the others just under half a
+    quantisation step along the query (each rounds to 0), so its int8 score is 0 while its true score is the
+    row's maximum, 0.5 above a decoy's (score 3, exact in int8). Without its error term the certificate drops
+    that key (a wrong output); with it, the output is exact."""
+    module, attn = module_for("sparsemax", torch.float32)
+    module.eval()
+    q, k, v = inputs(1, 1, 200, seed=11)
+    q = q.abs() + 0.5
+    q[..., 0] = 0.0
+    k = k * 0.01
+    k[0, :, 10] = q[0, ::2, 0] / (q[0, ::2, 0] ** 2).sum(-1, keepdim=True) * 3.0 / SCALING
+    large = 3.5 / (0.49 / 127 * SCALING * q[0, ::2, 0, 1:].sum(-1))  # [H_KV]
+    k[0, :, 50, 0] = large
+    k[0, :, 50, 1:] = 0.49 * large[:, None] / 127  # rounds to 0: the int8 copy sees nothing of the query
+    expected = full_step(module, attn, q, *cached(k, v)[1:], None, monkeypatch)
+    assert expected.abs().sum() > 0
+    out = step(module, attn, q, *cached(k, v), None)
+    assert torch.equal(out, expected)
+    monkeypatch.setattr(fused, "CODE_ERROR", 0.0)
+    wrong = step(module, attn, q, *cached(k, v), None)
+    assert not torch.allclose(wrong, expected, atol=1e-3)
+
+
+def test_half_caches_nan_keys_and_the_back_off(monkeypatch):
+    module, attn = module_for("sparsemax", torch.float32)
+    module.eval()
+    q, k, v = inputs(B, 1, KV, seed=13)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = step(module, attn, q16, *cached(k16, v16), None)
+    assert out.dtype == torch.bfloat16 and keycodes.certified_share() > 0.5
+    assert torch.equal(out, full_step(module, attn, q16, k16, v16, None, monkeypatch))
+    broken = k.clone()
+    broken[1, 0, 40, 3] = float("nan")  # a NaN key: NaN rows, as the full step gives
+    out = step(module, attn, q, *cached(broken, v), None)
+    torch.testing.assert_close(out, full_step(module, attn, q, broken, v, None, monkeypatch), rtol=0, atol=0,
+                               equal_nan=True)
+    assert out[1, :, :2].isnan().all() and not out[1, :, 2:].isnan().any() and not out[0].isnan().any()
+    # keys that all score alike: nothing certified, so the layer scores every key for the next RETRY steps
+    same = k[:, :, :1].expand(B, H_KV, KV, D).contiguous()
+    cache, keys, values = cached(same, v)
+    keycodes.reset_counts()
+    step(module, attn, q, cache, keys, values, None)
+    codes = getattr(cache.layers[0], pages.SUMMARY_ATTR).codes
+    assert keycodes.COUNTS["calls"] == 1 and codes.wait == keycodes.RETRY
+    out = step(module, attn, q, cache, keys, values, None)
+    assert keycodes.COUNTS["calls"] == 1 and codes.wait == keycodes.RETRY - 1
+    assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
+
+
+def test_memory_of_the_codes():
+    """``D + 4`` bytes a key (int8 codes and a float32 scale) against ``4 D`` for a float32 key."""
+    key = torch.zeros(1, 3, 1000, 64)
+    codes = keycodes.KeyCodes(key)
+    codes.reserve(1000, 1000)
+    slots = codes.codes.shape[2]
+    assert slots == 1024 and codes.nbytes() == slots * 3 * (64 + 4) + 3 * 16
+    assert (64 + 4) / (4 * 64) < 0.27
+
+
+@pytest.mark.slow
+def test_greedy_generate_on_the_pretrained_model_is_the_same_with_the_certificate(monkeypatch, attn="entmax15"):
+    """SmolLM2 (float32) on a prompt of fortunes: greedy ``generate`` gives the same tokens with the int8
+    certificate (from 64 cached keys here) and without it, and the certificate skipped most keys."""
+    runs = greedy_with_and_without_skipping(attn, monkeypatch, 120, 8, lambda: keycodes.certified_share() > 0.5)
+    assert torch.equal(*runs)
+
+
+def test_calls_the_kernel_does_not_serve_keep_no_codes(monkeypatch):
+    """A float16 cache (the kernel reads float32 and bfloat16): the page bounds' path, no int8 copy kept."""
+    module, attn = module_for("sparsemax", torch.float32)
+    module.eval()
+    q, k, v = (t.half() for t in inputs(B, 1, KV, seed=17))
+    cache, keys, values = cached(k, v)
+    out = step(module, attn, q, cache, keys, values, None)
+    assert getattr(cache.layers[0], pages.SUMMARY_ATTR).codes is None and keycodes.COUNTS["calls"] == 0
+    assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
