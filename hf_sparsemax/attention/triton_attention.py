@@ -55,6 +55,9 @@ NUM_WARPS, NUM_STAGES = 4, 3  # launch options of every kernel on a GPU (Triton'
 INTERPRET_BLOCK = 16  # rows and keys a tile under the interpreter (the smallest tl.dot tile; small tests stay fast)
 MAX_PASSES = DENSE_MAX_ITER  # threshold passes over the keys, as the CPU path's whole-row Newton
 TOLERANCE = DENSE_TOLERANCE_ULPS * torch.finfo(torch.float32).eps  # a Newton step this small settles a row
+HIST_BINS = 8  # histogram bins of z a row (width 1 / (HIST_BINS - 1)), counted in the max pass: the start
+HIST_ITER = 12  # Newton steps in registers on the binned lower bound (the start; no pass over the keys)
+SKIP_BYTES = 1 << 29  # the tile maxima kept for skipping (4 bytes a query row a key tile) at most this: else none
 NORM_TOLERANCE = 1e-3  # |sum p - 1| above this marks a row NaN (a certificate, far above float32 rounding)
 HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that fit an H100's shared memory)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -222,13 +225,18 @@ def _forward(query, key, value, alphas, mask, mask_floor, causal, scaling):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     t = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
     live = torch.zeros(batch, heads, n_m, n_n, dtype=torch.int8, device=query.device)
+    tiles = batch * heads * n_m * n_n
+    skip = tiles * launch["BLOCK_M"] * 4 <= SKIP_BYTES
+    tile_max = torch.empty(tiles * launch["BLOCK_M"] if skip else 1, dtype=torch.float32, device=query.device)
+    tile_list = torch.empty(tiles, dtype=torch.int32, device=query.device)
     mask_ptr, *mask_strides = _mask_args(mask)
     _kernels().attention_forward[(n_m, batch * heads)](
-        query, key, value, mask_ptr, alphas, out, t, live,
+        query, key, value, mask_ptr, alphas, out, t, live, tile_max, tile_list,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads, heads // key.shape[1], n_q, key.shape[2], n_m, n_n, scaling, mask_floor, TOLERANCE, NORM_TOLERANCE,
         MAX_PASSES, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-        CAUSAL=causal, HEAD_D=dim, PRECISION=precision, **launch)
+        CAUSAL=causal, SKIP=skip, HIST_BINS=HIST_BINS, HIST_ITER=HIST_ITER, HEAD_D=dim, PRECISION=precision,
+        **launch)
     return out, t, live
 
 
