@@ -37,6 +37,7 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> tuple[tor
     done = torch.zeros_like(tau, dtype=torch.bool)
     passes = torch.zeros_like(tau, dtype=torch.int32)
     previous = torch.full_like(tau, -1.0)
+    upper = torch.zeros_like(tau)  # a threshold above the root (g < 0 there): 0, then every t found above
     for _ in range(MAX_PASSES):
         u = z - tau[:, None]
         inside = u > 0
@@ -47,6 +48,14 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> tuple[tor
         lowest = torch.where(inside, u, float("inf")).amin(1)
         norm = torch.where(total > 0, total.clamp_min(1e-30) ** am1, 1.0)
         step = (norm - 1) * (total / norm) / torch.where(slope > 0, slope, 1.0)
+        if HALLEY and alpha not in (2.0, 1.5):
+            curve = torch.where(inside, u ** (beta - 2), 0.0).sum(1)
+            g, d1 = norm - 1, -(total / norm) ** (1 - am1) * 0 - norm / total * slope
+            d2 = (am1 - 1) * norm / total ** 2 * beta * slope ** 2 + norm / total * (beta - 1) * curve
+            denominator = 1 - g * d2 / (2 * d1 * d1)
+            halley = torch.where(denominator >= 0.5, step / denominator, step)
+            upper = torch.where(g < 0, torch.minimum(upper, tau), upper)
+            step = torch.where(tau + halley < upper, halley, (upper - tau) / 2)
         settled = step.abs() <= TOLERANCE
         if alpha == 2.0:
             settled = settled | ((step >= 0) & ((count == previous) | ((lowest > step) & (count > 0))))
@@ -90,6 +99,7 @@ def histogram_start(x: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Ten
 
 
 HIST_ITER = 12
+HALLEY = True
 
 
 def count(query, key, alpha: float, block: int, scaling: float) -> dict:

@@ -227,6 +227,7 @@ def attention_forward(
     tau = tl.where(dead, -1.0, _start(counts, anchor, m, grid, alpha, am1, beta, HIST_BINS, HIST_ITER))
     done = dead
     previous = tl.full([BLOCK_M], -1.0, tl.float32)
+    upper = tl.full([BLOCK_M], 0.0, tl.float32)  # above the threshold: 0 (h(0) = -1), then any tau with h < 0
     passes = 0
     pending = _sum(tl.where(done, 0, 1))
     while (pending > 0) & (passes < max_passes):
@@ -235,6 +236,7 @@ def attention_forward(
         total = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** beta
         slope = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 1)
         lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (the closed forms' certificates)
+        curve = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 2) (Halley's step, other alphas)
         for i in range(0, n_live):
             j = tl.load(LIST + tiles + i)
             x = _scores(q, k_base, M, b, h, offs_m, j * BLOCK_N + offs_b, offs_d, n_q, n_kv, skn, skd, smb, smh,
@@ -247,8 +249,20 @@ def attention_forward(
             total += _sum(p, 1)
             slope += _sum(s, 1)
             lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
+            if (alpha != 2.0) & (alpha != 1.5):
+                curve += _sum(s / tl.where(inside, u, 1.0), 1)
         norm = _norm(total, alpha, am1)
-        step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)
+        step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)  # Newton's
+        if (alpha != 2.0) & (alpha != 1.5):  # Halley: h' = -(norm / total) slope, h'' as below; kept within a
+            # factor 2 of Newton's step and below a known upper bound (else halfway to it), as h is not certified
+            # convex-safe for Halley's step; the certificate stays |step| <= tolerance on the step taken
+            ratio = norm / tl.where(total > 0, total, 1.0)
+            d1 = -ratio * slope
+            d2 = ratio * ((am1 - 1.0) * beta * slope * slope / tl.where(total > 0, total, 1.0) + (beta - 1.0) * curve)
+            denominator = 1.0 - (norm - 1.0) * d2 / tl.where(d1 != 0, 2.0 * d1 * d1, 1.0)
+            halley = tl.where(denominator >= 0.5, step / denominator, step)
+            upper = tl.where(norm < 1.0, tl.minimum(upper, tau), upper)
+            step = tl.where(tau + halley < upper, halley, 0.5 * (upper - tau))
         settled = tl.abs(step) <= tolerance
         # The start may sit above the threshold by rounding (step < 0): a closed form is exact only from below
         # (step >= 0: every key left out is below the new threshold too); a step from above lands below (convexity)
