@@ -5,22 +5,34 @@ materialised causal scores of the captured SmolLM2 queries / keys (``benchmarks/
 causal model's q / k is what the shorter text gives), one head at a time, blocks of ``--block`` query rows and
 key tiles of ``--block`` keys (the GPU's 64 x 64):
 
-- "before": Newton from ``tau = -1`` (the kernels until this change);
-- "after": the histogram start (``HIST_BINS`` bins of ``z = (alpha - 1)(x - m)`` over the top ``1 + w``, counted in
-  the max pass; the root of the binned lower bound ``L(t) <= f(t)`` as the start), then the same Newton passes.
+- "before": the kernels until this change: Newton from ``tau = -1``, every pass over every tile a block sees;
+- "after": the histogram start (``HIST_BINS`` bins of ``z = (alpha - 1)(x - m)``, counted in the max pass; the root
+  of the binned lower bound ``L(t) <= f(t)``), then the certified passes (Halley's steps for alphas other than 2
+  and 1.5), each threshold pass and the output pass over the tiles with a score above the current threshold only.
 
 A block of rows takes as many threshold passes as its slowest row (the kernel loops until every row is certified).
-Printed per alpha and length: threshold passes per block (mean, max), passes over K per forward (max pass + threshold
-passes + output pass), the share of rows certified by the first threshold pass, and the share of visible 64 x 64
-tiles with no nonzero weight (skipped by the output pass), and of those dead already at the start.
+Printed per alpha and length: threshold passes a block (mean, max); passes over K a forward (max pass + threshold
+passes + output pass); tile visits a forward, in units of one full pass (what the passes cost: before, every pass is
+full; after, the max pass is full and the others visit live tiles); the rows certified by the first threshold pass;
+the share of visible 64 x 64 tiles with no nonzero weight (skipped by the output pass), and of those with no score
+above the start (skipped by the first threshold pass).
 
     PYTHONPATH=. python benchmarks/count_passes.py --tokens 1024 2048 4096
+    PYTHONPATH=. python benchmarks/count_passes.py --kernel-check 128   # the kernel (interpreter) agrees, row by row
+
+``--kernel-check N`` runs the Triton forward under ``TRITON_INTERPRET=1`` on the first ``N`` tokens with at most
+``k`` threshold passes (``MAX_PASSES``; a row not certified by then comes out NaN) for k = 1, 2, ..., and prints
+the share of rows certified by pass k beside this simulation's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+if "--kernel-check" in sys.argv:  # before anything imports triton
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
@@ -30,15 +42,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTURE = os.path.join(ROOT, ".bench_data", "smollm2_qkv.pt")
 
 
-def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(passes, tau)`` per row of the kernel's certified Newton from ``tau`` on ``z [rows, n]`` (float32, -inf
-    where masked)."""
+def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float, halley: bool):
+    """``(passes, tau, taus)`` per row of the kernel's certified Newton (``halley``: Halley's steps for alphas other
+    than 2 and 1.5, as the kernel now; without, the kernel before) from ``tau`` on ``z [rows, n]`` (float32, -inf
+    where masked); ``taus``: each row's threshold at each pass (frozen once certified)."""
     am1, beta = alpha - 1.0, 1.0 / (alpha - 1.0)
     done = torch.zeros_like(tau, dtype=torch.bool)
     passes = torch.zeros_like(tau, dtype=torch.int32)
     previous = torch.full_like(tau, -1.0)
     upper = torch.zeros_like(tau)  # a threshold above the root (g < 0 there): 0, then every t found above
+    taus = []
     for _ in range(MAX_PASSES):
+        taus.append(tau)
         u = z - tau[:, None]
         inside = u > 0
         u = torch.where(inside, u, 0.0)
@@ -48,14 +63,14 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> tuple[tor
         lowest = torch.where(inside, u, float("inf")).amin(1)
         norm = torch.where(total > 0, total.clamp_min(1e-30) ** am1, 1.0)
         step = (norm - 1) * (total / norm) / torch.where(slope > 0, slope, 1.0)
-        if HALLEY and alpha not in (2.0, 1.5):
+        if halley and alpha not in (2.0, 1.5):
             curve = torch.where(inside, u ** (beta - 2), 0.0).sum(1)
             g, d1 = norm - 1, -(total / norm) ** (1 - am1) * 0 - norm / total * slope
             d2 = (am1 - 1) * norm / total ** 2 * beta * slope ** 2 + norm / total * (beta - 1) * curve
             denominator = 1 - g * d2 / (2 * d1 * d1)
-            halley = torch.where(denominator >= 0.5, step / denominator, step)
+            taken = torch.where(denominator >= 0.5, step / denominator, step)
             upper = torch.where(g < 0, torch.minimum(upper, tau), upper)
-            step = torch.where(tau + halley < upper, halley, (upper - tau) / 2)
+            step = torch.where(tau + taken < upper, taken, (upper - tau) / 2)
         settled = step.abs() <= TOLERANCE
         if alpha == 2.0:
             settled = settled | ((step >= 0) & ((count == previous) | ((lowest > step) & (count > 0))))
@@ -72,7 +87,7 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> tuple[tor
         previous = count
         if done.all():
             break
-    return passes, tau
+    return passes, tau, taus
 
 
 def histogram_start(x: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -99,37 +114,77 @@ def histogram_start(x: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Ten
 
 
 HIST_ITER = 12
-HALLEY = True
+
+
+def tile_live(z: torch.Tensor, tau: torch.Tensor, block: int) -> torch.Tensor:
+    """``[query blocks, key tiles]``: some row of the block has a score with ``z > tau`` in the tile."""
+    n = z.shape[0]
+    return (z > tau[:, None]).view(n // block, block, n // block, block).any(3).any(1)
 
 
 def count(query, key, alpha: float, block: int, scaling: float) -> dict:
+    """Threshold passes a block before / after, tile visits a forward (in full passes) before / after, the rows
+    certified by the first threshold pass, the dead tiles at the end and at the start."""
     heads, n, _ = query.shape
     groups = heads // key.shape[0]
-    out = {name: [] for name in ("before", "after")}
-    certified_first, dead, dead_start, visible = 0.0, 0, 0, 0
-    rows_total = 0
+    seen = torch.ones(n // block, n // block, dtype=torch.bool).tril()
+    stats = dict(before=[], after=[], visits_after=0.0, certified=0.0, dead=0, dead_start=0)
     for h in range(heads):
         x = (query[h].float() @ key[h // groups].float().T) * scaling
         x = x.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         m = x.amax(1)
         z = (alpha - 1) * (x - m[:, None])
-        before, _ = newton_passes(z, torch.full_like(m, -1.0), alpha)
+        before, _, _ = newton_passes(z, torch.full_like(m, -1.0), alpha, halley=False)
         start = histogram_start(x, m, alpha)
-        after, tau = newton_passes(z, start, alpha)
-        certified_first += (after == 1).float().sum().item()
-        rows_total += n
-        for name, passes in (("before", before), ("after", after)):
-            out[name].append(passes.view(-1, block).amax(1))
-        live = (z > tau[:, None]).view(n // block, block, n // block, block).any(3).any(1)
-        live_start = (z > start[:, None]).view(n // block, block, n // block, block).any(3).any(1)
-        seen = torch.ones(n // block, n // block, dtype=torch.bool).tril()
-        visible += seen.sum().item()
-        dead += (seen & ~live).sum().item()
-        dead_start += (seen & ~live_start).sum().item()
-    result = {name: torch.cat(v).float() for name, v in out.items()}
-    return dict(before_mean=result["before"].mean().item(), before_max=int(result["before"].max()),
-                after_mean=result["after"].mean().item(), after_max=int(result["after"].max()),
-                certified_first=certified_first / rows_total, dead=dead / visible, dead_start=dead_start / visible)
+        after, tau, taus = newton_passes(z, start, alpha, halley=True)
+        block_before, block_after = before.view(-1, block).amax(1), after.view(-1, block).amax(1)
+        stats["before"].append(block_before)
+        stats["after"].append(block_after)
+        stats["certified"] += (after == 1).float().sum().item()
+        # tiles a block visits after: pass 1 all it sees, each threshold pass and the output pass its live tiles
+        visits = seen.sum(1).float() + tile_live(z, tau, block).logical_and(seen).sum(1)
+        for k, t in enumerate(taus):
+            visits += tile_live(z, t, block).logical_and(seen).sum(1) * (block_after > k)
+        stats["visits_after"] += visits.sum().item()
+        stats["dead"] += (seen & ~tile_live(z, tau, block)).sum().item()
+        stats["dead_start"] += (seen & ~tile_live(z, start, block)).sum().item()
+    visible = heads * seen.sum().item()
+    before, after = torch.cat(stats["before"]).float(), torch.cat(stats["after"]).float()
+    # before: every pass visits every tile it sees: (2 + threshold passes) full passes, weighted by tiles seen
+    weights = seen.sum(1).float().repeat(heads)
+    return dict(before_mean=before.mean().item(), before_max=int(before.max()), after_mean=after.mean().item(),
+                after_max=int(after.max()), visits_before=((2 + before) * weights).sum().item() / visible,
+                visits_after=stats["visits_after"] / visible, certified=stats["certified"] / (heads * n),
+                dead=stats["dead"] / visible, dead_start=stats["dead_start"] / visible)
+
+
+def kernel_check(query, key, tokens: int, scaling: float, alphas) -> None:
+    """Rows certified by threshold pass k: the kernel (rows finite with ``MAX_PASSES = k``) against the torch
+    simulation, on the first ``tokens`` tokens of every head."""
+    from hf_sparsemax.attention import triton_attention as ta
+
+    q, k = query[:, :tokens].float(), key[:, :tokens].float()
+    groups = q.shape[0] // k.shape[0]
+    print("| alpha | threshold passes k | rows certified by pass k: kernel | simulation |")
+    print("|---:|---:|---:|---:|")
+    for alpha in alphas:
+        passes = []
+        for h in range(q.shape[0]):
+            x = (q[h] @ k[h // groups].T) * scaling
+            x = x.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+            m = x.amax(1)
+            passes.append(newton_passes((alpha - 1) * (x - m[:, None]), histogram_start(x, m, alpha), alpha, True)[0])
+        passes = torch.cat(passes)
+        original = ta.MAX_PASSES
+        try:
+            for limit in range(1, int(passes.max()) + 1):
+                ta.MAX_PASSES = limit
+                out = ta.triton_attention(q[None], k[None], k[None], None, causal=True, alpha=alpha, scaling=scaling)
+                finite = torch.isfinite(out).all(-1).float().mean().item()
+                print(f"| {alpha} | {limit} | {100 * finite:.1f}% | {100 * (passes <= limit).float().mean():.1f}% |",
+                      flush=True)
+        finally:
+            ta.MAX_PASSES = original
 
 
 def main():
@@ -137,20 +192,23 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--alphas", type=float, nargs="+", default=[2.0, 1.5, 1.3])
     parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--kernel-check", type=int, default=0, metavar="N")
     args = parser.parse_args()
     capture = torch.load(CAPTURE)
     query, key = capture["query"][0], capture["key"][0]
+    if args.kernel_check:
+        return kernel_check(query, key, args.kernel_check, capture["scaling"], args.alphas)
     print("| tokens | alpha | threshold passes a block, before: mean / max | after: mean / max | passes over K a "
-          "forward, before -> after (mean) | rows certified by the first threshold pass | dead tiles (output pass) "
-          "| dead at the start |")
-    print("|---:|---:|---|---|---|---:|---:|---:|")
+          "forward, before -> after (mean) | tile visits a forward in full passes, before -> after | rows certified "
+          "by the first threshold pass | dead tiles at the end | dead at the start |")
+    print("|---:|---:|---|---|---|---|---:|---:|---:|")
     for tokens in args.tokens:
         for alpha in args.alphas:
             r = count(query[:, :tokens], key[:, :tokens], alpha, args.block, capture["scaling"])
             print(f"| {tokens} | {alpha} | {r['before_mean']:.2f} / {r['before_max']} | {r['after_mean']:.2f} / "
                   f"{r['after_max']} | {2 + r['before_mean']:.2f} -> {2 + r['after_mean']:.2f} | "
-                  f"{100 * r['certified_first']:.1f}% | {100 * r['dead']:.1f}% | {100 * r['dead_start']:.1f}% |",
-                  flush=True)
+                  f"{r['visits_before']:.2f} -> {r['visits_after']:.2f} | {100 * r['certified']:.1f}% | "
+                  f"{100 * r['dead']:.1f}% | {100 * r['dead_start']:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -370,8 +370,30 @@ def test_skipped_tiles_have_no_weight():
     query, key, value = operands(n_q=n, n_kv=n, dim=16, seed=13, spread=4.0)
     mask = masks("left_padding_bool", 1, 4, n, n).to(DEVICE)
     alphas = torch.tensor([2.0, 1.5, 1.3, 1.7], device=DEVICE)
-    out, t, live = ta._forward(query, key, value, alphas, *ta._mask_operand(mask, query, key), False, 0.3)
+    out, t, live, _ = ta._forward(query, key, value, alphas, *ta._mask_operand(mask, query, key), False, 0.3)
     _, weights = oracle(query, key, value, mask, causal=False, alpha=alphas, scaling=0.3)
     blocks = weights.shape[-1] // block
     nonzero = (weights > 0).view(1, 4, blocks, block, blocks, block).any(5).any(3)
     assert torch.equal(live.bool().cpu(), nonzero.cpu()) and (~nonzero).any() and nonzero.any()
+
+
+def test_the_certifying_pass_adds_the_output_for_other_alphas(monkeypatch):
+    """alpha 1.3: the threshold pass that certifies a block's rows also adds P V (the output pass is saved): the
+    kernel's own count of passes over the keys is one less in some blocks than with that off, never more, and
+    the outputs equal the formula's both ways. Every block makes one full pass, then visits only live tiles
+    (sparsemax on local scores: fewer tile visits than passes x tiles seen)."""
+    query, key, value = operands(n_q=64, n_kv=64, seed=14, spread=3.0)
+    args = (query, key, value, torch.full((4,), 1.3, device=DEVICE), None, 0.0, True, 0.3)
+    ref, _ = oracle(query, key, value, None, causal=True, alpha=1.3, scaling=0.3)
+    out, _, _, work = ta._forward(*args)
+    monkeypatch.setattr(ta, "SPECULATE", -1.0)
+    plain, _, _, plain_work = ta._forward(*args)
+    for result in (out, plain):
+        torch.testing.assert_close(result.double(), ref, atol=2e-5, rtol=2e-5)
+    passes, plain_passes = work[..., 0].cpu(), plain_work[..., 0].cpu()
+    assert (passes <= plain_passes).all() and (passes < plain_passes).any() and (passes >= 2).all()
+    sharp = key.repeat_interleave(2, 1) * 3.0  # each row's own key scores far above the others: a local support
+    _, _, _, work = ta._forward(sharp, key, value, torch.full((4,), 2.0, device=DEVICE), *args[4:])
+    passes, visits = work[..., 0].cpu(), work[..., 1].cpu()
+    tiles = torch.arange(1, work.shape[2] + 1)  # causal: query block i sees i + 1 key tiles
+    assert (visits <= passes * tiles).all() and (visits < passes * tiles).any()

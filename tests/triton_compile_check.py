@@ -73,9 +73,9 @@ def attention():
                                                      ("*fp32", 128, "*u8", False, False, False)):
         precision = "ieee" if dtype == "*fp32" else "tf32"
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "O": dtype,
-                    "T": "*fp32", "LIVE": "*i8", "TMAX": "*fp32", "LIST": "*i32"}
+                    "T": "*fp32", "LIVE": "*i8", "TMAX": "*fp32", "LIST": "*i32", "WORK": "*i32"}
         build(kernels.attention_forward, pointers, strides + sizes + ["max_passes"],
-              ("scaling", "mask_floor", "tolerance", "norm_tolerance"),
+              ("scaling", "mask_floor", "tolerance", "norm_tolerance", "speculate"),
               {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, "SKIP": skip,
                "HIST_BINS": settings["HIST_BINS"], "HIST_ITER": settings["HIST_ITER"], **tiles, "HEAD_D": dim,
                "PRECISION": precision}, options)

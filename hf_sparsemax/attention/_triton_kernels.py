@@ -171,17 +171,35 @@ def _live_tiles(TMAX, LIST, tiles, n_tiles, m, tau, am1, BLOCK_M: tl.constexpr, 
     return n_live
 
 
+@device_function
+def _tile_sums(x, m, tau, alpha, am1, beta, general, count, total, slope, lowest, curve):
+    """A tile's weights ``p`` at ``tau`` and the threshold pass's sums with it added: candidates, ``sum u ** beta``,
+    ``sum u ** (beta - 1)``, the smallest ``u > 0`` and (other alphas) ``sum u ** (beta - 2)``."""
+    u = am1 * (x - m[:, None]) - tau[:, None]
+    inside = u > 0
+    u = tl.where(inside, u, 0.0)
+    p, s = _weights(u, alpha, beta)
+    count += _sum(inside.to(tl.float32), 1)
+    total += _sum(p, 1)
+    slope += _sum(s, 1)
+    lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
+    if general:
+        curve += _sum(s / tl.where(inside, u, 1.0), 1)
+    return p, count, total, slope, lowest, curve
+
+
 @triton.jit
 def attention_forward(
-    Q, K, V, M, ALPHA, O, T, LIVE, TMAX, LIST,
+    Q, K, V, M, ALPHA, O, T, LIVE, TMAX, LIST, WORK,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sob, soh, som, sod,
-    H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes,
+    H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes, speculate,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     HIST_BINS: tl.constexpr, HIST_ITER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Output ``O``, thresholds ``T`` (``m + tau / am1``, score units; ``+inf`` for a row that sees no key, NaN for a
-    row not settled) and the live tiles ``LIVE`` (some weight nonzero) of one block of query rows.
+    row not settled), the live tiles ``LIVE`` (some weight nonzero) of one block of query rows, and its work
+    ``WORK``: passes over the keys and key tiles visited (two int32, a counter for benchmarks and tests).
 
     Pass 1 visits every tile the rows may see: row maxima, a histogram of the top scores (the threshold's start)
     and, with ``SKIP``, each tile's row maxima (``TMAX``). Each threshold pass and the output pass visit only the
@@ -230,32 +248,50 @@ def attention_forward(
     upper = tl.full([BLOCK_M], 0.0, tl.float32)  # above the threshold: 0 (h(0) = -1), then any tau with h < 0
     passes = 0
     pending = _sum(tl.where(done, 0, 1))
+    # Other alphas: once every pending row's last step is below ``speculate`` (Halley's next is then far below the
+    # tolerance), the pass that certifies them also adds P V at the current tau: the output pass is saved; the
+    # rows it certifies keep that tau (within the tolerance of the next), and if any row is not certified the
+    # pass's P V is dropped and the passes go on
+    general = (alpha != 2.0) & (alpha != 1.5)
+    last = tl.full([BLOCK_M], float("inf"), tl.float32)  # each row's last step
+    finished = 0
+    acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+    mass = tl.full([BLOCK_M], 0.0, tl.float32)
+    visits = n_tiles
     while (pending > 0) & (passes < max_passes):
+        spec = general & (_max(tl.where(done, 0.0, last), 0) <= speculate)
         n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tau, am1, BLOCK_M, SKIP)
+        visits += n_live
         count = tl.full([BLOCK_M], 0.0, tl.float32)
         total = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** beta
         slope = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 1)
         lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (the closed forms' certificates)
         curve = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 2) (Halley's step, other alphas)
-        for i in range(0, n_live):
-            j = tl.load(LIST + tiles + i)
-            x = _scores(q, k_base, M, b, h, offs_m, j * BLOCK_N + offs_b, offs_d, n_q, n_kv, skn, skd, smb, smh,
-                        smm, smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
-            u = am1 * (x - m[:, None]) - tau[:, None]
-            inside = u > 0
-            u = tl.where(inside, u, 0.0)
-            p, s = _weights(u, alpha, beta)
-            count += _sum(inside.to(tl.float32), 1)
-            total += _sum(p, 1)
-            slope += _sum(s, 1)
-            lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
-            if (alpha != 2.0) & (alpha != 1.5):
-                curve += _sum(s / tl.where(inside, u, 1.0), 1)
+        if spec:  # two loops, each without a branch in its body (pipelined loads)
+            acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+            for i in range(0, n_live):
+                j = tl.load(LIST + tiles + i)
+                offs_n = j * BLOCK_N + offs_b
+                x = _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn,
+                            scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+                p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
+                                                                   total, slope, lowest, curve)
+                v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+                            other=0.0)
+                acc += _dot(p.to(v.dtype), v, PRECISION)
+                tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
+        else:
+            for i in range(0, n_live):
+                j = tl.load(LIST + tiles + i)
+                x = _scores(q, k_base, M, b, h, offs_m, j * BLOCK_N + offs_b, offs_d, n_q, n_kv, skn, skd, smb, smh,
+                            smm, smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+                p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
+                                                                   total, slope, lowest, curve)
         norm = _norm(total, alpha, am1)
         step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)  # Newton's
-        if (alpha != 2.0) & (alpha != 1.5):  # Halley: h' = -(norm / total) slope, h'' as below; kept within a
-            # factor 2 of Newton's step and below a known upper bound (else halfway to it), as h is not certified
-            # convex-safe for Halley's step; the certificate stays |step| <= tolerance on the step taken
+        if general:  # Halley: h' = -(norm / total) slope, h'' as below; kept within a factor 2 of Newton's step and
+            # below a known upper bound (else halfway to it): Halley's step alone may overshoot; the certificate
+            # stays |step| <= tolerance on the step taken
             ratio = norm / tl.where(total > 0, total, 1.0)
             d1 = -ratio * slope
             d2 = ratio * ((am1 - 1.0) * beta * slope * slope / tl.where(total > 0, total, 1.0) + (beta - 1.0) * curve)
@@ -275,28 +311,37 @@ def attention_forward(
             exact = (disc >= 0) & (delta <= lowest) & (delta >= 0) & (count > 0)
             step = tl.where(exact, delta, step)
             settled = settled | exact
-        tau = tl.where(done, tau, tau + step)
+        hold = done  # rows whose tau stays
+        if spec:
+            finished = tl.where(_sum(tl.where(done | settled, 0, 1)) == 0, 1, 0)
+            mass = total
+            hold = done | settled
+        tau = tl.where(hold, tau, tau + step)
         done = done | settled
+        last = tl.abs(step)
         previous = count
         passes += 1
         pending = _sum(tl.where(done, 0, 1))
     tau = tl.where(done, tau, float("nan"))  # not settled within max_passes: NaN, never a silent wrong answer
 
-    # output over the live tiles; each row's normalisation checked
-    n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tl.where(done, tau, -1.0), am1, BLOCK_M, SKIP)
-    acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
-    mass = tl.full([BLOCK_M], 0.0, tl.float32)
-    for i in range(0, n_live):
-        j = tl.load(LIST + tiles + i)
-        offs_n = j * BLOCK_N + offs_b
-        x = _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn, scaling,
-                    mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
-        u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
-        p, s = _weights(u, alpha, beta)
-        mass += _sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
-        acc += _dot(p.to(v.dtype), v, PRECISION)
-        tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
+    # output over the live tiles (unless a certifying pass added it); each row's normalisation checked
+    if finished == 0:
+        n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tl.where(done, tau, -1.0), am1, BLOCK_M, SKIP)
+        visits += n_live
+        acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+        mass = tl.full([BLOCK_M], 0.0, tl.float32)
+        for i in range(0, n_live):
+            j = tl.load(LIST + tiles + i)
+            offs_n = j * BLOCK_N + offs_b
+            x = _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn, scaling,
+                        mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+            u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
+            p, s = _weights(u, alpha, beta)
+            mass += _sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+                        other=0.0)
+            acc += _dot(p.to(v.dtype), v, PRECISION)
+            tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
     wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
     acc = tl.where(wrong[:, None], float("nan"), acc)
     t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
@@ -304,6 +349,8 @@ def attention_forward(
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
              mask=row[:, None])
     tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
+    tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2, 2 + passes - finished)
+    tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2 + 1, visits)
 
 
 @device_function
