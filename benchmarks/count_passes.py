@@ -8,11 +8,12 @@ key tiles of ``--block`` keys (the GPU's 64 x 64):
 - "before": the kernels until this change: Newton from ``tau = -1``, every pass over every tile a block sees;
 - "after": the histogram start (``HIST_BINS`` bins of ``z = (alpha - 1)(x - m)``, counted in the max pass; the root
   of the binned lower bound ``L(t) <= f(t)``), then the certified passes (Halley's steps for alphas other than 2
-  and 1.5), each threshold pass and the output pass over the tiles with a score above the current threshold only.
+  and 1.5; their certifying pass adds ``P V``, saving the output pass, once the last steps are below ``SPECULATE``),
+  each threshold pass and the output pass over the tiles with a score above the current threshold only.
 
 A block of rows takes as many threshold passes as its slowest row (the kernel loops until every row is certified).
 Printed per alpha and length: threshold passes a block (mean, max); passes over K a forward (max pass + threshold
-passes + output pass); tile visits a forward, in units of one full pass (what the passes cost: before, every pass is
+passes + output pass, unless the certifying pass added ``P V``); tile visits a forward, in units of one full pass (what the passes cost: before, every pass is
 full; after, the max pass is full and the others visit live tiles); the rows certified by the first threshold pass;
 the share of visible 64 x 64 tiles with no nonzero weight (skipped by the output pass), and of those with no score
 above the start (skipped by the first threshold pass).
@@ -36,7 +37,7 @@ if "--kernel-check" in sys.argv:  # before anything imports triton
 
 import torch
 
-from hf_sparsemax.attention.triton_attention import HIST_BINS, MAX_PASSES, TOLERANCE
+from hf_sparsemax.attention.triton_attention import HIST_BINS, HIST_ITER, MAX_PASSES, SPECULATE, TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTURE = os.path.join(ROOT, ".bench_data", "smollm2_qkv.pt")
@@ -65,7 +66,7 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float, halley: bool
         step = (norm - 1) * (total / norm) / torch.where(slope > 0, slope, 1.0)
         if halley and alpha not in (2.0, 1.5):
             curve = torch.where(inside, u ** (beta - 2), 0.0).sum(1)
-            g, d1 = norm - 1, -(total / norm) ** (1 - am1) * 0 - norm / total * slope
+            g, d1 = norm - 1, -norm / total * slope
             d2 = (am1 - 1) * norm / total ** 2 * beta * slope ** 2 + norm / total * (beta - 1) * curve
             denominator = 1 - g * d2 / (2 * d1 * d1)
             taken = torch.where(denominator >= 0.5, step / denominator, step)
@@ -73,7 +74,7 @@ def newton_passes(z: torch.Tensor, tau: torch.Tensor, alpha: float, halley: bool
             step = torch.where(tau + taken < upper, taken, (upper - tau) / 2)
         settled = step.abs() <= TOLERANCE
         if alpha == 2.0:
-            settled = settled | ((step >= 0) & ((count == previous) | ((lowest > step) & (count > 0))))
+            settled = settled | (count == previous) | ((lowest > step) & (step >= 0) & (count > 0))
         elif alpha == 1.5:
             disc = slope * slope - count * (total - 1)
             denominator = slope + disc.clamp_min(0).sqrt()
@@ -113,13 +114,29 @@ def histogram_start(x: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Ten
     return tau
 
 
-HIST_ITER = 12
-
 
 def tile_live(z: torch.Tensor, tau: torch.Tensor, block: int) -> torch.Tensor:
     """``[query blocks, key tiles]``: some row of the block has a score with ``z > tau`` in the tile."""
     n = z.shape[0]
     return (z > tau[:, None]).view(n // block, block, n // block, block).any(3).any(1)
+
+
+def output_saved(passes: torch.Tensor, taus: list, tau: torch.Tensor, alpha: float, block: int) -> torch.Tensor:
+    """Per block: whether the kernel's certifying pass adds ``P V`` (other alphas: at the first pass ``k`` after
+    which every pending row's last step is at most ``SPECULATE``, if it certifies every pending row)."""
+    saved = torch.zeros(passes.numel() // block, dtype=torch.bool)
+    if alpha in (2.0, 1.5):
+        return saved
+    taus = taus + [tau]
+    for b in range(saved.numel()):
+        rows = slice(block * b, block * (b + 1))
+        for k in range(1, int(passes[rows].max())):
+            pending = passes[rows] > k
+            if (taus[k][rows] - taus[k - 1][rows]).abs()[pending].max() <= SPECULATE:
+                if (passes[rows][pending] == k + 1).all():
+                    saved[b] = True
+                    break
+    return saved
 
 
 def count(query, key, alpha: float, block: int, scaling: float) -> dict:
@@ -128,7 +145,7 @@ def count(query, key, alpha: float, block: int, scaling: float) -> dict:
     heads, n, _ = query.shape
     groups = heads // key.shape[0]
     seen = torch.ones(n // block, n // block, dtype=torch.bool).tril()
-    stats = dict(before=[], after=[], visits_after=0.0, certified=0.0, dead=0, dead_start=0)
+    stats = dict(before=[], after=[], saved=[], visits_after=0.0, certified=0.0, dead=0, dead_start=0)
     for h in range(heads):
         x = (query[h].float() @ key[h // groups].float().T) * scaling
         x = x.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -138,11 +155,13 @@ def count(query, key, alpha: float, block: int, scaling: float) -> dict:
         start = histogram_start(x, m, alpha)
         after, tau, taus = newton_passes(z, start, alpha, halley=True)
         block_before, block_after = before.view(-1, block).amax(1), after.view(-1, block).amax(1)
+        saved = output_saved(after, taus, tau, alpha, block)
         stats["before"].append(block_before)
         stats["after"].append(block_after)
+        stats["saved"].append(saved)
         stats["certified"] += (after == 1).float().sum().item()
         # tiles a block visits after: pass 1 all it sees, each threshold pass and the output pass its live tiles
-        visits = seen.sum(1).float() + tile_live(z, tau, block).logical_and(seen).sum(1)
+        visits = seen.sum(1).float() + tile_live(z, tau, block).logical_and(seen).sum(1) * ~saved
         for k, t in enumerate(taus):
             visits += tile_live(z, t, block).logical_and(seen).sum(1) * (block_after > k)
         stats["visits_after"] += visits.sum().item()
@@ -150,10 +169,11 @@ def count(query, key, alpha: float, block: int, scaling: float) -> dict:
         stats["dead_start"] += (seen & ~tile_live(z, start, block)).sum().item()
     visible = heads * seen.sum().item()
     before, after = torch.cat(stats["before"]).float(), torch.cat(stats["after"]).float()
+    saved = torch.cat(stats["saved"]).float()
     # before: every pass visits every tile it sees: (2 + threshold passes) full passes, weighted by tiles seen
     weights = seen.sum(1).float().repeat(heads)
     return dict(before_mean=before.mean().item(), before_max=int(before.max()), after_mean=after.mean().item(),
-                after_max=int(after.max()), visits_before=((2 + before) * weights).sum().item() / visible,
+                after_max=int(after.max()), k_after=(2 + after - saved).mean().item(), visits_before=((2 + before) * weights).sum().item() / visible,
                 visits_after=stats["visits_after"] / visible, certified=stats["certified"] / (heads * n),
                 dead=stats["dead"] / visible, dead_start=stats["dead_start"] / visible)
 
@@ -165,8 +185,10 @@ def kernel_check(query, key, tokens: int, scaling: float, alphas) -> None:
 
     q, k = query[:, :tokens].float(), key[:, :tokens].float()
     groups = q.shape[0] // k.shape[0]
-    print("| alpha | threshold passes k | rows certified by pass k: kernel | simulation |")
-    print("|---:|---:|---:|---:|")
+    block = ta.INTERPRET_BLOCK
+    print(f"| alpha | threshold passes k | rows certified by pass k: kernel | simulation | passes over K a block "
+          f"({block} x {block} tiles), kernel's count: mean / max | tile visits a forward in full passes: kernel |")
+    print("|---:|---:|---:|---:|---|---:|")
     for alpha in alphas:
         passes = []
         for h in range(q.shape[0]):
@@ -176,13 +198,20 @@ def kernel_check(query, key, tokens: int, scaling: float, alphas) -> None:
             passes.append(newton_passes((alpha - 1) * (x - m[:, None]), histogram_start(x, m, alpha), alpha, True)[0])
         passes = torch.cat(passes)
         original = ta.MAX_PASSES
+        seen = torch.ones(tokens // block, tokens // block).tril().sum(1)  # tiles a block sees (causal)
         try:
             for limit in range(1, int(passes.max()) + 1):
                 ta.MAX_PASSES = limit
-                out = ta.triton_attention(q[None], k[None], k[None], None, causal=True, alpha=alpha, scaling=scaling)
+                alphas = torch.full((q.shape[0],), alpha)
+                out, _, _, work = ta._forward(q[None], k[None], k[None], alphas, None, 0.0, True, scaling)
                 finite = torch.isfinite(out).all(-1).float().mean().item()
-                print(f"| {alpha} | {limit} | {100 * finite:.1f}% | {100 * (passes <= limit).float().mean():.1f}% |",
-                      flush=True)
+                counted = ""
+                if limit == int(passes.max()):  # every row certified: the kernel's own counters
+                    done = work[0, ..., 0].float()
+                    counted = (f"{done.mean():.2f} / {int(done.max())} | "
+                               f"{work[0, ..., 1].sum() / (seen.sum() * q.shape[0]):.2f}")
+                print(f"| {alpha} | {limit} | {100 * finite:.1f}% | {100 * (passes <= limit).float().mean():.1f}% | "
+                      f"{counted or '|'}", flush=True)
         finally:
             ta.MAX_PASSES = original
 
@@ -206,7 +235,7 @@ def main():
         for alpha in args.alphas:
             r = count(query[:, :tokens], key[:, :tokens], alpha, args.block, capture["scaling"])
             print(f"| {tokens} | {alpha} | {r['before_mean']:.2f} / {r['before_max']} | {r['after_mean']:.2f} / "
-                  f"{r['after_max']} | {2 + r['before_mean']:.2f} -> {2 + r['after_mean']:.2f} | "
+                  f"{r['after_max']} | {2 + r['before_mean']:.2f} -> {r['k_after']:.2f} | "
                   f"{r['visits_before']:.2f} -> {r['visits_after']:.2f} | {100 * r['certified']:.1f}% | "
                   f"{100 * r['dead']:.1f}% | {100 * r['dead_start']:.1f}% |", flush=True)
 

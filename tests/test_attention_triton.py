@@ -330,8 +330,9 @@ def test_double_backward_goes_through_the_differentiable_formula():
 
 @pytest.mark.slow
 def test_the_kernels_compile_for_an_h100():
-    """The forward and backward kernels compile ahead of time for sm_90 with a GPU's tiles and launch options (PTX,
-    no GPU needed; ``tests/triton_compile_check.py attention``, in a process without the interpreter)."""
+    """The forward kernel compiles ahead of time for sm_90 with a GPU's tiles and launch options (PTX, no GPU
+    needed; ``tests/triton_compile_check.py attention``, in a process without the interpreter; ``attention
+    --backward`` compiles the backward kernels too)."""
     import subprocess
     import sys
 
@@ -343,7 +344,7 @@ def test_the_kernels_compile_for_an_h100():
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_compile_check.py")
     done = subprocess.run([sys.executable, script, "attention"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 5
+    assert done.stdout.count("compiled") == 2
 
 
 @pytest.mark.parametrize("alpha", [2.0, 1.3])

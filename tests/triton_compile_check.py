@@ -1,7 +1,8 @@
 """Compiles the Triton kernels for an H100 (sm_90) ahead of time, without a GPU: the tile sizes, dtypes and operations
 that the interpreter accepts must also lower to PTX. Run as a script without ``TRITON_INTERPRET``: the decoding
-kernels (by ``tests/test_attention_triton_decode.py``), or with ``attention`` the forward / backward kernels with
-the launch options of a GPU (by ``tests/test_attention_triton.py``); prints one line a variant compiled."""
+kernels (by ``tests/test_attention_triton_decode.py``), or with ``attention`` the forward kernel (``attention
+--backward``: and the backward kernels) with the launch options of a GPU (by ``tests/test_attention_triton.py``);
+prints one line a variant compiled."""
 
 import importlib.util
 import os
@@ -60,8 +61,9 @@ def main():
 
 
 def attention():
-    """The forward kernel (bfloat16, d 64, causal, skipping; float32, d 128, a bool mask, no skipping) and the
-    three backward kernels (the first variant), with the tile sizes and launch options of ``triton_attention.py``."""
+    """The forward kernel (bfloat16, d 64, causal, skipping; float32, d 128, a bool mask, no skipping) and, with
+    ``--backward``, the three backward kernels in both variants (unchanged by the forward's passes; each compile
+    takes CI seconds), with the tile sizes and launch options of ``triton_attention.py``."""
     kernels = load(ATTENTION, "_triton_kernels")
     settings = read_settings(ATTENTION_SETTINGS, ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "HIST_BINS",
                                                   "HIST_ITER"))
@@ -69,8 +71,8 @@ def attention():
     tiles = {"BLOCK_M": settings["BLOCK_M"], "BLOCK_N": settings["BLOCK_N"]}
     strides = [f"s{t}{axis}" for t in "qkvmo" for axis in ("b", "h", "m" if t in "qmo" else "n", "d" if t != "m" else "n")]
     sizes = ["H", "G", "n_q", "n_kv", "n_mblocks", "n_nblocks"]
-    for dtype, dim, mask, causal, skip, backward in (("*bf16", 64, None, True, True, True),
-                                                     ("*fp32", 128, "*u8", False, False, False)):
+    backward = "--backward" in sys.argv
+    for dtype, dim, mask, causal, skip in (("*bf16", 64, None, True, True), ("*fp32", 128, "*u8", False, False)):
         precision = "ieee" if dtype == "*fp32" else "tf32"
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "O": dtype,
                     "T": "*fp32", "LIVE": "*i8", "TMAX": "*fp32", "LIST": "*i32", "WORK": "*i32"}
@@ -79,7 +81,7 @@ def attention():
               {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, "SKIP": skip,
                "HIST_BINS": settings["HIST_BINS"], "HIST_ITER": settings["HIST_ITER"], **tiles, "HEAD_D": dim,
                "PRECISION": precision}, options)
-        if not backward:  # the backward kernels once (each compile takes seconds of CI's time)
+        if not backward:
             continue
         strides_b = strides[:16] + [f"sd{axis}" for axis in "bhmd"]
         common = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "DO": dtype,
@@ -114,4 +116,4 @@ def read_constants():
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: this compiles for a GPU")
-    attention() if sys.argv[1:] == ["attention"] else main()
+    attention() if "attention" in sys.argv[1:] else main()

@@ -188,6 +188,51 @@ def _tile_sums(x, m, tau, alpha, am1, beta, general, count, total, slope, lowest
     return p, count, total, slope, lowest, curve
 
 
+@device_function
+def _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta, general, tolerance):
+    """``(step, settled, upper)`` of a threshold pass from its sums at ``tau``: the step to take, the rows it
+    certifies, and the known upper bound of the threshold (other alphas)."""
+    norm = _norm(total, alpha, am1)
+    step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)  # Newton's
+    if general:  # Halley: h' = -(norm / total) slope, h'' as below; kept within a factor 2 of Newton's step and
+        # below a known upper bound (else halfway to it): Halley's step alone may overshoot; the certificate stays
+        # |step| <= tolerance on the step taken
+        ratio = norm / tl.where(total > 0, total, 1.0)
+        d1 = -ratio * slope
+        d2 = ratio * ((am1 - 1.0) * beta * slope * slope / tl.where(total > 0, total, 1.0) + (beta - 1.0) * curve)
+        denominator = 1.0 - (norm - 1.0) * d2 / tl.where(d1 != 0, 2.0 * d1 * d1, 1.0)
+        halley = tl.where(denominator >= 0.5, step / denominator, step)
+        upper = tl.where(norm < 1.0, tl.minimum(upper, tau), upper)
+        step = tl.where(tau + halley < upper, halley, 0.5 * (upper - tau))
+    settled = tl.abs(step) <= tolerance
+    # The start may sit above the threshold by rounding (step < 0): a closed form is exact only from below (step >=
+    # 0: every key left out is below the new threshold too); a step from above lands below (convexity)
+    if alpha == 2.0:  # Michelot: exact once the support stops changing, or when the step keeps every candidate
+        settled = settled | (count == previous) | ((lowest > step) & (step >= 0) & (count > 0))
+    elif alpha == 1.5:  # the closed form on the current candidates, exact when it keeps them all
+        disc = slope * slope - count * (total - 1.0)
+        denominator = slope + tl.sqrt(tl.maximum(disc, 0.0))
+        delta = (total - 1.0) / tl.where(denominator > 0, denominator, 1.0)
+        exact = (disc >= 0) & (delta <= lowest) & (delta >= 0) & (count > 0)
+        step = tl.where(exact, delta, step)
+        settled = settled | exact
+    return step, settled, upper
+
+
+@device_function
+def _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob, soh, som,
+            sod):
+    """Stores the block's output rows and thresholds ``m + tau / am1`` (``+inf`` for a row that sees no key); a row
+    whose ``sum p`` is off 1 by more than ``norm_tolerance`` (or whose tau is NaN) gets NaN in both."""
+    wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
+    acc = tl.where(wrong[:, None], float("nan"), acc)
+    t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
+    row = offs_m < n_q
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
+             mask=row[:, None])
+    tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
+
+
 @triton.jit
 def attention_forward(
     Q, K, V, M, ALPHA, O, T, LIVE, TMAX, LIST, WORK,
@@ -249,14 +294,13 @@ def attention_forward(
     passes = 0
     pending = _sum(tl.where(done, 0, 1))
     # Other alphas: once every pending row's last step is below ``speculate`` (Halley's next is then far below the
-    # tolerance), the pass that certifies them also adds P V at the current tau: the output pass is saved; the
-    # rows it certifies keep that tau (within the tolerance of the next), and if any row is not certified the
-    # pass's P V is dropped and the passes go on
+    # tolerance), the pass that certifies them also adds P V at the current tau and writes the output: the output
+    # pass is saved; the rows it certifies keep that tau (within the tolerance of the next), and if any row is not
+    # certified the pass's P V is dropped and the passes go on. (The sums of P V live inside that branch only: no
+    # [BLOCK_M, HEAD_D] accumulator held through the other passes.)
     general = (alpha != 2.0) & (alpha != 1.5)
     last = tl.full([BLOCK_M], float("inf"), tl.float32)  # each row's last step
     finished = 0
-    acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
-    mass = tl.full([BLOCK_M], 0.0, tl.float32)
     visits = n_tiles
     while (pending > 0) & (passes < max_passes):
         spec = general & (_max(tl.where(done, 0.0, last), 0) <= speculate)
@@ -267,6 +311,7 @@ def attention_forward(
         slope = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 1)
         lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (the closed forms' certificates)
         curve = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 2) (Halley's step, other alphas)
+        hold = done  # rows whose tau stays
         if spec:  # two loops, each without a branch in its body (pipelined loads)
             acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
             for i in range(0, n_live):
@@ -280,6 +325,13 @@ def attention_forward(
                             other=0.0)
                 acc += _dot(p.to(v.dtype), v, PRECISION)
                 tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
+            step, settled, upper = _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta,
+                                         general, tolerance)
+            hold = done | settled
+            finished = tl.where(_sum(tl.where(hold, 0, 1)) == 0, 1, 0)
+            if finished != 0:
+                _finish(acc, total, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob,
+                        soh, som, sod)
         else:
             for i in range(0, n_live):
                 j = tl.load(LIST + tiles + i)
@@ -287,35 +339,8 @@ def attention_forward(
                             smm, smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
                 p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
                                                                    total, slope, lowest, curve)
-        norm = _norm(total, alpha, am1)
-        step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)  # Newton's
-        if general:  # Halley: h' = -(norm / total) slope, h'' as below; kept within a factor 2 of Newton's step and
-            # below a known upper bound (else halfway to it): Halley's step alone may overshoot; the certificate
-            # stays |step| <= tolerance on the step taken
-            ratio = norm / tl.where(total > 0, total, 1.0)
-            d1 = -ratio * slope
-            d2 = ratio * ((am1 - 1.0) * beta * slope * slope / tl.where(total > 0, total, 1.0) + (beta - 1.0) * curve)
-            denominator = 1.0 - (norm - 1.0) * d2 / tl.where(d1 != 0, 2.0 * d1 * d1, 1.0)
-            halley = tl.where(denominator >= 0.5, step / denominator, step)
-            upper = tl.where(norm < 1.0, tl.minimum(upper, tau), upper)
-            step = tl.where(tau + halley < upper, halley, 0.5 * (upper - tau))
-        settled = tl.abs(step) <= tolerance
-        # The start may sit above the threshold by rounding (step < 0): a closed form is exact only from below
-        # (step >= 0: every key left out is below the new threshold too); a step from above lands below (convexity)
-        if alpha == 2.0:  # Michelot: exact once the support stops changing, or when the step keeps every candidate
-            settled = settled | (count == previous) | ((lowest > step) & (step >= 0) & (count > 0))
-        elif alpha == 1.5:  # the closed form on the current candidates, exact when it keeps them all
-            disc = slope * slope - count * (total - 1.0)
-            denominator = slope + tl.sqrt(tl.maximum(disc, 0.0))
-            delta = (total - 1.0) / tl.where(denominator > 0, denominator, 1.0)
-            exact = (disc >= 0) & (delta <= lowest) & (delta >= 0) & (count > 0)
-            step = tl.where(exact, delta, step)
-            settled = settled | exact
-        hold = done  # rows whose tau stays
-        if spec:
-            finished = tl.where(_sum(tl.where(done | settled, 0, 1)) == 0, 1, 0)
-            mass = total
-            hold = done | settled
+            step, settled, upper = _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta,
+                                         general, tolerance)
         tau = tl.where(hold, tau, tau + step)
         done = done | settled
         last = tl.abs(step)
@@ -324,7 +349,7 @@ def attention_forward(
         pending = _sum(tl.where(done, 0, 1))
     tau = tl.where(done, tau, float("nan"))  # not settled within max_passes: NaN, never a silent wrong answer
 
-    # output over the live tiles (unless a certifying pass added it); each row's normalisation checked
+    # output over the live tiles (unless a certifying pass wrote it); each row's normalisation checked
     if finished == 0:
         n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tl.where(done, tau, -1.0), am1, BLOCK_M, SKIP)
         visits += n_live
@@ -342,13 +367,8 @@ def attention_forward(
                         other=0.0)
             acc += _dot(p.to(v.dtype), v, PRECISION)
             tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
-    wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
-    acc = tl.where(wrong[:, None], float("nan"), acc)
-    t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
-    row = offs_m < n_q
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
-             mask=row[:, None])
-    tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
+        _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob, soh, som,
+                sod)
     tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2, 2 + passes - finished)
     tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2 + 1, visits)
 

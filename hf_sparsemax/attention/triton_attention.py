@@ -21,7 +21,8 @@ the forward (:func:`._triton_kernels.attention_forward`) makes passes over the k
    at most ``TOLERANCE``). A closed form certifies only from below (a start above ``tau`` by rounding takes one
    more step, which lands below by convexity). A row not settled in ``MAX_PASSES`` passes gets NaN (never a
    silent wrong answer; it does not happen for alpha in [1.125, 2]);
-3. ``P V`` over the tiles with a score above the final ``tau``, the tiles with a nonzero weight kept as bits
+3. ``P V`` over the tiles with a score above the final ``tau`` (other alphas: added by the pass that certifies
+   the block once its last steps are below ``SPECULATE``, which then saves this pass), the tiles with a nonzero weight kept as bits
    (``LIVE``, one byte a tile) for the backward, and each row's ``sum p`` checked against 1 (``NORM_TOLERANCE``;
    NaN if not).
 
@@ -29,7 +30,7 @@ The passes of 2. and 3. loop over a list of the live tiles, rebuilt before each 
 1 (no product, ``BLOCK_M`` floats a tile): the loop body has no data-dependent branch, so its loads stay
 pipelined (a branch around each tile's work stalled them), and a dead tile costs nothing. On the captured
 SmolLM2 scores (``benchmarks/count_passes.py``, docs/speed-attention.md) this takes the forward from 4.6-6 full
-passes over the keys to 2-3.6 full passes' worth of tile visits; not yet timed on a GPU.
+passes over the keys to 1.3-2.9 full passes' worth of tile visits; not yet timed on a GPU.
 
 Saved for backward: ``Q, K, V`` and one float32 a row, ``t = m + tau / (alpha - 1)`` (score units; ``+inf`` for
 a row that sees no key: weights 0, as the torch path), plus the tile bits; nothing of size ``q x kv``. The
