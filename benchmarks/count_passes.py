@@ -211,7 +211,7 @@ def kernel_check(query, key, tokens: int, scaling: float, alphas) -> None:
                     counted = (f"{done.mean():.2f} / {int(done.max())} | "
                                f"{work[0, ..., 1].sum() / (seen.sum() * q.shape[0]):.2f}")
                 print(f"| {alpha} | {limit} | {100 * finite:.1f}% | {100 * (passes <= limit).float().mean():.1f}% | "
-                      f"{counted or '|'}", flush=True)
+                      f"{counted or ' |'} |", flush=True)
         finally:
             ta.MAX_PASSES = original
 
