@@ -13,10 +13,10 @@ key tiles of ``--block`` keys (the GPU's 64 x 64):
 
 A block of rows takes as many threshold passes as its slowest row (the kernel loops until every row is certified).
 Printed per alpha and length: threshold passes a block (mean, max); passes over K a forward (max pass + threshold
-passes + output pass, unless the certifying pass added ``P V``); tile visits a forward, in units of one full pass (what the passes cost: before, every pass is
-full; after, the max pass is full and the others visit live tiles); the rows certified by the first threshold pass;
-the share of visible 64 x 64 tiles with no nonzero weight (skipped by the output pass), and of those with no score
-above the start (skipped by the first threshold pass).
+passes + output pass, unless the certifying pass added ``P V``); tile visits a forward, in units of one full pass
+(what the passes cost: before, every pass is full; after, the max pass is full and the others visit live tiles);
+the rows certified by the first threshold pass; the share of visible 64 x 64 tiles with no nonzero weight (skipped
+by the output pass), and of those with no score above the start (skipped by the first threshold pass).
 
     PYTHONPATH=. python benchmarks/count_passes.py --tokens 1024 2048 4096
     PYTHONPATH=. python benchmarks/count_passes.py --kernel-check 128   # the kernel (interpreter) agrees, row by row
@@ -173,7 +173,8 @@ def count(query, key, alpha: float, block: int, scaling: float) -> dict:
     # before: every pass visits every tile it sees: (2 + threshold passes) full passes, weighted by tiles seen
     weights = seen.sum(1).float().repeat(heads)
     return dict(before_mean=before.mean().item(), before_max=int(before.max()), after_mean=after.mean().item(),
-                after_max=int(after.max()), k_after=(2 + after - saved).mean().item(), visits_before=((2 + before) * weights).sum().item() / visible,
+                after_max=int(after.max()), k_after=(2 + after - saved).mean().item(),
+                visits_before=((2 + before) * weights).sum().item() / visible,
                 visits_after=stats["visits_after"] / visible, certified=stats["certified"] / (heads * n),
                 dead=stats["dead"] / visible, dead_start=stats["dead_start"] / visible)
 

@@ -69,7 +69,8 @@ def attention():
                                                   "HIST_ITER"))
     options = {"num_warps": settings["NUM_WARPS"], "num_stages": settings["NUM_STAGES"]}
     tiles = {"BLOCK_M": settings["BLOCK_M"], "BLOCK_N": settings["BLOCK_N"]}
-    strides = [f"s{t}{axis}" for t in "qkvmo" for axis in ("b", "h", "m" if t in "qmo" else "n", "d" if t != "m" else "n")]
+    strides = [f"s{t}{axis}" for t in "qkvmo"
+               for axis in ("b", "h", "m" if t in "qmo" else "n", "d" if t != "m" else "n")]
     sizes = ["H", "G", "n_q", "n_kv", "n_mblocks", "n_nblocks"]
     backward = "--backward" in sys.argv
     for dtype, dim, mask, causal, skip in (("*bf16", 64, None, True, True), ("*fp32", 128, "*u8", False, False)):

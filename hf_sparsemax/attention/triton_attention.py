@@ -22,9 +22,9 @@ the forward (:func:`._triton_kernels.attention_forward`) makes passes over the k
    more step, which lands below by convexity). A row not settled in ``MAX_PASSES`` passes gets NaN (never a
    silent wrong answer; it does not happen for alpha in [1.125, 2]);
 3. ``P V`` over the tiles with a score above the final ``tau`` (other alphas: added by the pass that certifies
-   the block once its last steps are below ``SPECULATE``, which then saves this pass), the tiles with a nonzero weight kept as bits
-   (``LIVE``, one byte a tile) for the backward, and each row's ``sum p`` checked against 1 (``NORM_TOLERANCE``;
-   NaN if not).
+   the block once its last steps are below ``SPECULATE``, which then saves this pass), the tiles with a nonzero
+   weight kept as bits (``LIVE``, one byte a tile) for the backward, and each row's ``sum p`` checked against 1
+   (``NORM_TOLERANCE``; NaN if not).
 
 The passes of 2. and 3. loop over a list of the live tiles, rebuilt before each pass from the tile maxima of pass
 1 (no product, ``BLOCK_M`` floats a tile): the loop body has no data-dependent branch, so its loads stay
