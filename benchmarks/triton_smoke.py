@@ -121,7 +121,7 @@ def timings(n, heads, kv_heads, dim, reps, batch=1):
         base.setdefault("fwd", forward)
         base.setdefault("both", both)
         with torch.no_grad():
-            _, _, live = ta._forward(query, key, value, torch.full((heads,), 1.5, device=DEVICE), None, 0.0, True,
+            _, _, live, _ = ta._forward(query, key, value, torch.full((heads,), 1.5, device=DEVICE), None, 0.0, True,
                                      dim**-0.5)
         print(f"time n={n:5d} heads={heads}/{kv_heads} d={dim} {name:9s}: fwd {forward:8.2f} ms ({forward / base['fwd']:5.2f}x)"
               f"  fwd+bwd {both:8.2f} ms ({both / base['both']:5.2f}x)", flush=True)

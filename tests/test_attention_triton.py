@@ -326,3 +326,75 @@ def test_double_backward_goes_through_the_differentiable_formula():
         results.append(torch.autograd.grad(d_q.square().sum(), (k, v, a)))
     for mine, theirs in zip(*results):
         torch.testing.assert_close(mine.double(), theirs, atol=1e-3, rtol=1e-3)  # float32 against float64
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_an_h100():
+    """The forward kernel compiles ahead of time for sm_90 with a GPU's tiles and launch options (PTX, no GPU
+    needed; ``tests/triton_compile_check.py attention``, in a process without the interpreter; ``attention
+    --backward`` compiles the backward kernels too)."""
+    import subprocess
+    import sys
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no NVIDIA backend here")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_compile_check.py")
+    done = subprocess.run([sys.executable, script, "attention"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 2
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.3])
+def test_a_maximum_that_rises_tile_after_tile(alpha):
+    """Scores that grow along the keys: every key tile raises the row maximum, so the first pass moves each row's
+    histogram down (the threshold's start) tile after tile; the output and the exact zeros still equal the
+    formula's, with and without skipping the tiles that have no weight."""
+    query, key, value = operands(n_q=8, n_kv=64, dim=16, seed=12)
+    key = key * torch.linspace(0.2, 3.0, 64, device=DEVICE)[:, None]
+    query = key[:, :, -8:].repeat_interleave(2, 1) + 0.1 * query  # rows aligned with the late, long keys
+    for skip in (True, False):
+        ta_skip = ta.SKIP_BYTES
+        try:
+            ta.SKIP_BYTES = ta_skip if skip else 0
+            check(query, key, value, None, causal=False, alpha=alpha, grad=False)
+        finally:
+            ta.SKIP_BYTES = ta_skip
+
+
+def test_skipped_tiles_have_no_weight():
+    """The tiles the forward marks dead (never visited by the output pass) have no nonzero weight in the float64
+    formula, and the live ones have some: the skipping is exact, on scores sparse enough to skip most tiles."""
+    n, block = 64, ta.INTERPRET_BLOCK if not CUDA else ta.BLOCK_M
+    query, key, value = operands(n_q=n, n_kv=n, dim=16, seed=13, spread=4.0)
+    mask = masks("left_padding_bool", 1, 4, n, n).to(DEVICE)
+    alphas = torch.tensor([2.0, 1.5, 1.3, 1.7], device=DEVICE)
+    out, t, live, _ = ta._forward(query, key, value, alphas, *ta._mask_operand(mask, query, key), False, 0.3)
+    _, weights = oracle(query, key, value, mask, causal=False, alpha=alphas, scaling=0.3)
+    blocks = weights.shape[-1] // block
+    nonzero = (weights > 0).view(1, 4, blocks, block, blocks, block).any(5).any(3)
+    assert torch.equal(live.bool().cpu(), nonzero.cpu()) and (~nonzero).any() and nonzero.any()
+
+
+def test_the_certifying_pass_adds_the_output_for_other_alphas(monkeypatch):
+    """alpha 1.3: the threshold pass that certifies a block's rows also adds P V (the output pass is saved): the
+    kernel's own count of passes over the keys is one less in some blocks than with that off, never more, and
+    the outputs equal the formula's both ways. Every block makes one full pass, then visits only live tiles
+    (sparsemax on local scores: fewer tile visits than passes x tiles seen)."""
+    query, key, value = operands(n_q=64, n_kv=64, seed=14, spread=3.0)
+    args = (query, key, value, torch.full((4,), 1.3, device=DEVICE), None, 0.0, True, 0.3)
+    ref, _ = oracle(query, key, value, None, causal=True, alpha=1.3, scaling=0.3)
+    out, _, _, work = ta._forward(*args)
+    monkeypatch.setattr(ta, "SPECULATE", -1.0)
+    plain, _, _, plain_work = ta._forward(*args)
+    for result in (out, plain):
+        torch.testing.assert_close(result.double(), ref, atol=2e-5, rtol=2e-5)
+    passes, plain_passes = work[..., 0].cpu(), plain_work[..., 0].cpu()
+    assert (passes <= plain_passes).all() and (passes < plain_passes).any() and (passes >= 2).all()
+    sharp = key.repeat_interleave(2, 1) * 3.0  # each row's own key scores far above the others: a local support
+    _, _, _, work = ta._forward(sharp, key, value, torch.full((4,), 2.0, device=DEVICE), *args[4:])
+    passes, visits = work[..., 0].cpu(), work[..., 1].cpu()
+    tiles = torch.arange(1, work.shape[2] + 1)  # causal: query block i sees i + 1 key tiles
+    assert (visits <= passes * tiles).all() and (visits < passes * tiles).any()

@@ -1,6 +1,8 @@
-"""Compiles the Triton decoding kernels for an H100 (sm_90) ahead of time, without a GPU: the tile sizes, dtypes and
-operations that the interpreter accepts must also lower to PTX. Run as a script (by
-``tests/test_attention_triton_decode.py``) without ``TRITON_INTERPRET``; prints one line a variant compiled."""
+"""Compiles the Triton kernels for an H100 (sm_90) ahead of time, without a GPU: the tile sizes, dtypes and operations
+that the interpreter accepts must also lower to PTX. Run as a script without ``TRITON_INTERPRET``: the decoding
+kernels (by ``tests/test_attention_triton_decode.py``), or with ``attention`` the forward kernel (``attention
+--backward``: and the backward kernels) with the launch options of a GPU (by ``tests/test_attention_triton.py``);
+prints one line a variant compiled."""
 
 import importlib.util
 import os
@@ -13,6 +15,8 @@ from triton.compiler import ASTSource
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_decode_kernels.py")
 SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_decode.py")
+ATTENTION = os.path.join(HERE, "..", "hf_sparsemax", "attention", "_triton_kernels.py")
+ATTENTION_SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_attention.py")
 
 
 def load(path, name):
@@ -22,10 +26,11 @@ def load(path, name):
     return module
 
 
-def build(fn, pointers, ints, floats, constants):
+def build(fn, pointers, ints, floats, constants, options=None):
     signature = {**pointers, **{name: "i32" for name in ints}, **{name: "fp32" for name in floats},
                  **{name: "constexpr" for name in constants}}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                   options=options)
     print(fn.__name__, constants, "compiled", flush=True)
 
 
@@ -55,18 +60,61 @@ def main():
                "BFLOAT16": out == "*bf16"})
 
 
-def read_constants():
-    """The tile constants of triton_decode.py, read from its source (importing it would import the package)."""
+def attention():
+    """The forward kernel (bfloat16, d 64, causal, skipping; float32, d 128, a bool mask, no skipping) and, with
+    ``--backward``, the three backward kernels in both variants (unchanged by the forward's passes; each compile
+    takes CI seconds), with the tile sizes and launch options of ``triton_attention.py``."""
+    kernels = load(ATTENTION, "_triton_kernels")
+    settings = read_settings(ATTENTION_SETTINGS, ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "HIST_BINS",
+                                                  "HIST_ITER"))
+    options = {"num_warps": settings["NUM_WARPS"], "num_stages": settings["NUM_STAGES"]}
+    tiles = {"BLOCK_M": settings["BLOCK_M"], "BLOCK_N": settings["BLOCK_N"]}
+    strides = [f"s{t}{axis}" for t in "qkvmo"
+               for axis in ("b", "h", "m" if t in "qmo" else "n", "d" if t != "m" else "n")]
+    sizes = ["H", "G", "n_q", "n_kv", "n_mblocks", "n_nblocks"]
+    backward = "--backward" in sys.argv
+    for dtype, dim, mask, causal, skip in (("*bf16", 64, None, True, True), ("*fp32", 128, "*u8", False, False)):
+        precision = "ieee" if dtype == "*fp32" else "tf32"
+        pointers = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "O": dtype,
+                    "T": "*fp32", "LIVE": "*i8", "TMAX": "*fp32", "LIST": "*i32", "WORK": "*i32"}
+        build(kernels.attention_forward, pointers, strides + sizes + ["max_passes"],
+              ("scaling", "mask_floor", "tolerance", "norm_tolerance", "speculate"),
+              {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, "SKIP": skip,
+               "HIST_BINS": settings["HIST_BINS"], "HIST_ITER": settings["HIST_ITER"], **tiles, "HEAD_D": dim,
+               "PRECISION": precision}, options)
+        if not backward:
+            continue
+        strides_b = strides[:16] + [f"sd{axis}" for axis in "bhmd"]
+        common = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "DO": dtype,
+                  "T": "*fp32", "LIVE": "*i8", "DELTA": "*fp32"}
+        constants = {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, **tiles,
+                     "HEAD_D": dim, "PRECISION": precision}
+        ints, floats = strides_b + sizes, ("scaling", "mask_floor")
+        build(kernels.attention_backward_rows, {**common, "DALPHA": "*fp32"}, ints, floats,
+              {**constants, "ALPHA_GRAD": True}, options)
+        build(kernels.attention_backward_q, {**common, "DQ": dtype}, ints, floats, constants, options)
+        build(kernels.attention_backward_kv, {**common, "DK": dtype, "DV": dtype}, ints, floats, constants, options)
+
+
+def read_settings(path, names):
+    """Integer constants of a module, read from its source (importing it would import the package)."""
     values = {}
-    with open(SETTINGS, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8") as handle:
         for line in handle:
-            name, _, rest = line.partition(" = ")
-            if name in ("BLOCK_ROWS", "BLOCK_KEYS", "MAX_SPLITS", "SOLVE_BLOCK"):
-                values[name] = int(rest.split("#")[0])
+            left, _, rest = line.partition(" = ")  # "NAME = 1" or "A, B = 1, 2"
+            for name, value in zip(left.split(", "), rest.split("#")[0].split(",")):
+                if name in names:
+                    values[name] = int(value)
+    return values
+
+
+def read_constants():
+    """The tile constants of triton_decode.py."""
+    values = read_settings(SETTINGS, ("BLOCK_ROWS", "BLOCK_KEYS", "MAX_SPLITS", "SOLVE_BLOCK"))
     return values["BLOCK_ROWS"], values["BLOCK_KEYS"], values["MAX_SPLITS"], values["SOLVE_BLOCK"]
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: this compiles for a GPU")
-    main()
+    attention() if "attention" in sys.argv[1:] else main()

@@ -86,17 +86,169 @@ def _weights(u, alpha, beta):
     return p, s
 
 
+@device_function
+def _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn, scaling, mask_floor,
+            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """The masked scores ``x [BLOCK_M, BLOCK_N]`` of the key tile ``offs_n``."""
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
+    x = _dot(q, tl.trans(k), PRECISION) * scaling
+    return _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
+                        HAS_MASK, MASK_BOOL, CAUSAL)
+
+
+@device_function
+def _norm(total, alpha, am1):
+    """``total ** (alpha - 1)`` (1 where ``total`` is 0): the beta-norm of the weights from ``sum u ** beta``."""
+    if alpha == 2.0:
+        norm = total
+    elif alpha == 1.5:
+        norm = tl.sqrt(total)
+    else:
+        norm = tl.exp2(am1 * tl.log2(tl.where(total > 0, total, 1.0)))
+    return tl.where(total > 0, norm, 1.0)
+
+
+@device_function
+def _histogram(x, grid, anchor, counts, HIST_BINS: tl.constexpr):
+    """Adds a tile to each row's histogram of scores: bin ``b`` holds the scores in
+    ``(grid (anchor - b - 1), grid (anchor - b)]``, ``anchor`` the grid index ``ceil(x / grid)`` of the row's
+    maximum so far. A tile that raises the maximum moves the old counts down by as many bins (those past the last
+    bin are dropped: they lie below ``max - 1 / (alpha - 1)``, never in the support). The tile's own counts are
+    summed as 8-bit fields of one int64 a row (one reduction for every bin; a tile has at most 255 keys)."""
+    c = tl.ceil(x / grid)  # -inf where masked
+    top = tl.maximum(anchor, _max(c, 1))
+    shift = top - anchor
+    bins = tl.arange(0, HIST_BINS)
+    moved = (bins[None, :, None].to(tl.float32) + shift[:, None, None]) == bins[None, None, :].to(tl.float32)
+    counts = _sum(tl.where(moved, counts[:, :, None], 0.0), 1)
+    below = top[:, None] - c  # the bin, +inf or NaN where masked
+    inside = below < HIST_BINS
+    field = (tl.where(inside, below, 0.0).to(tl.int64) * 8)
+    packed = _sum(tl.where(inside, tl.full(field.shape, 1, tl.int64) << field, 0), 1)
+    counts += ((packed[:, None] >> (bins[None, :] * 8).to(tl.int64)) & 255).to(tl.float32)
+    return top, counts
+
+
+@device_function
+def _start(counts, anchor, m, grid, alpha, am1, beta, HIST_BINS: tl.constexpr, HIST_ITER: tl.constexpr):
+    """A start for the threshold from the histogram: the root of ``L(t) = ||relu(e - t)||_beta - 1``, each
+    binned score put at its bin's lower edge in ``z`` units (``e``; the maximum at ``z = 0`` exactly). ``L <= f``
+    (``f`` of the true scores), both convex and decreasing: the root of ``L`` is at most the threshold, and Newton
+    from ``-1`` (a lower bound of both) rises to it from below in registers (no pass over the keys)."""
+    width = am1 * grid  # a bin in z units: 1 / (HIST_BINS - 1)
+    bins = tl.arange(0, HIST_BINS)
+    edges = (am1 * (anchor * grid - m))[:, None] - (bins[None, :] + 1).to(tl.float32) * width
+    counts = counts - tl.where(bins[None, :] == 0, 1.0, 0.0)  # the maximum, counted exactly below
+    tau = tl.full(m.shape, -1.0, tl.float32)
+    for _ in range(HIST_ITER):
+        p, s = _weights(tl.maximum(edges - tau[:, None], 0.0), alpha, beta)
+        top_p, top_s = _weights(-tau, alpha, beta)
+        total = _sum(counts * p, 1) + top_p
+        slope = _sum(counts * s, 1) + top_s
+        norm = _norm(total, alpha, am1)
+        tau = tau + (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)
+    return tau
+
+
+@device_function
+def _live_tiles(TMAX, LIST, tiles, n_tiles, m, tau, am1, BLOCK_M: tl.constexpr, SKIP: tl.constexpr):
+    """Writes to ``LIST`` the key tiles in which some row of the block has a score with ``z > tau`` (from the tile
+    maxima of the first pass: ``BLOCK_M`` floats a tile, no product) and returns their number (every tile
+    without ``SKIP``). The passes that follow loop over this list: a loop of live tiles, no branch in its body,
+    so their loads stay pipelined (a data-dependent branch around a tile's work stalled them)."""
+    tl.debug_barrier()  # the list and the maxima are written by other threads of this program
+    n_live = 0
+    for j in range(0, n_tiles):
+        if SKIP:
+            tile_max = tl.load(TMAX + (tiles + j) * BLOCK_M + tl.arange(0, BLOCK_M))
+            live = _max(tl.where(am1 * (tile_max - m) > tau, 1, 0), 0)
+            tl.store(LIST + tiles + n_live, j, mask=live > 0)
+            n_live += live
+        else:
+            tl.store(LIST + tiles + j, j)
+            n_live += 1
+    tl.debug_barrier()
+    return n_live
+
+
+@device_function
+def _tile_sums(x, m, tau, alpha, am1, beta, general, count, total, slope, lowest, curve):
+    """A tile's weights ``p`` at ``tau`` and the threshold pass's sums with it added: candidates, ``sum u ** beta``,
+    ``sum u ** (beta - 1)``, the smallest ``u > 0`` and (other alphas) ``sum u ** (beta - 2)``."""
+    u = am1 * (x - m[:, None]) - tau[:, None]
+    inside = u > 0
+    u = tl.where(inside, u, 0.0)
+    p, s = _weights(u, alpha, beta)
+    count += _sum(inside.to(tl.float32), 1)
+    total += _sum(p, 1)
+    slope += _sum(s, 1)
+    lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
+    if general:
+        curve += _sum(s / tl.where(inside, u, 1.0), 1)
+    return p, count, total, slope, lowest, curve
+
+
+@device_function
+def _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta, general, tolerance):
+    """``(step, settled, upper)`` of a threshold pass from its sums at ``tau``: the step to take, the rows it
+    certifies, and the known upper bound of the threshold (other alphas)."""
+    norm = _norm(total, alpha, am1)
+    step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)  # Newton's
+    if general:  # Halley: h' = -(norm / total) slope, h'' as below; kept within a factor 2 of Newton's step and
+        # below a known upper bound (else halfway to it): Halley's step alone may overshoot; the certificate stays
+        # |step| <= tolerance on the step taken
+        ratio = norm / tl.where(total > 0, total, 1.0)
+        d1 = -ratio * slope
+        d2 = ratio * ((am1 - 1.0) * beta * slope * slope / tl.where(total > 0, total, 1.0) + (beta - 1.0) * curve)
+        denominator = 1.0 - (norm - 1.0) * d2 / tl.where(d1 != 0, 2.0 * d1 * d1, 1.0)
+        halley = tl.where(denominator >= 0.5, step / denominator, step)
+        upper = tl.where(norm < 1.0, tl.minimum(upper, tau), upper)
+        step = tl.where(tau + halley < upper, halley, 0.5 * (upper - tau))
+    settled = tl.abs(step) <= tolerance
+    # The start may sit above the threshold by rounding (step < 0): a closed form is exact only from below (step >=
+    # 0: every key left out is below the new threshold too); a step from above lands below (convexity)
+    if alpha == 2.0:  # Michelot: exact once the support stops changing, or when the step keeps every candidate
+        settled = settled | (count == previous) | ((lowest > step) & (step >= 0) & (count > 0))
+    elif alpha == 1.5:  # the closed form on the current candidates, exact when it keeps them all
+        disc = slope * slope - count * (total - 1.0)
+        denominator = slope + tl.sqrt(tl.maximum(disc, 0.0))
+        delta = (total - 1.0) / tl.where(denominator > 0, denominator, 1.0)
+        exact = (disc >= 0) & (delta <= lowest) & (delta >= 0) & (count > 0)
+        step = tl.where(exact, delta, step)
+        settled = settled | exact
+    return step, settled, upper
+
+
+@device_function
+def _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob, soh, som,
+            sod):
+    """Stores the block's output rows and thresholds ``m + tau / am1`` (``+inf`` for a row that sees no key); a row
+    whose ``sum p`` is off 1 by more than ``norm_tolerance`` (or whose tau is NaN) gets NaN in both."""
+    wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
+    acc = tl.where(wrong[:, None], float("nan"), acc)
+    t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
+    row = offs_m < n_q
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
+             mask=row[:, None])
+    tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
+
+
 @triton.jit
 def attention_forward(
-    Q, K, V, M, ALPHA, O, T, LIVE,
+    Q, K, V, M, ALPHA, O, T, LIVE, TMAX, LIST, WORK,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sob, soh, som, sod,
-    H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
+    H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes, speculate,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
+    HIST_BINS: tl.constexpr, HIST_ITER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Output ``O``, thresholds ``T`` (``m + tau / am1``, score units; ``+inf`` for a row that sees no key, NaN for a
-    row not settled) and the live tiles ``LIVE`` (some weight nonzero) of one block of query rows. Every pass visits
-    every tile its rows may see (no data-dependent branch: the loads stay pipelined)."""
+    row not settled), the live tiles ``LIVE`` (some weight nonzero) of one block of query rows, and its work
+    ``WORK``: passes over the keys and key tiles visited (two int32, a counter for benchmarks and tests).
+
+    Pass 1 visits every tile the rows may see: row maxima, a histogram of the top scores (the threshold's start)
+    and, with ``SKIP``, each tile's row maxima (``TMAX``). Each threshold pass and the output pass visit only the
+    tiles with a score above the current threshold (``_live_tiles``)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -115,93 +267,110 @@ def attention_forward(
     hi = n_kv
     if CAUSAL:
         hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
+    n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
     tiles = (pid_bh * n_mblocks + pid_m) * n_nblocks
+    grid = 1.0 / ((HIST_BINS - 1) * am1)  # a histogram bin in score units (1 / (HIST_BINS - 1) in z units)
 
-    # pass 1: each row's maximum
+    # pass 1: each row's maximum and histogram, each tile's row maxima
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_b
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
-        x = _dot(q, tl.trans(k), PRECISION) * scaling
-        x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
-                         HAS_MASK, MASK_BOOL, CAUSAL)
-        m = tl.maximum(m, _max(x, 1))
+    anchor = tl.full([BLOCK_M], -3.0e38, tl.float32)  # a grid index below every score's: no inf - inf
+    counts = tl.full([BLOCK_M, HIST_BINS], 0.0, tl.float32)
+    for j in range(0, n_tiles):
+        x = _scores(q, k_base, M, b, h, offs_m, j * BLOCK_N + offs_b, offs_d, n_q, n_kv, skn, skd, smb, smh, smm,
+                    smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+        tile_max = _max(x, 1)
+        m = tl.maximum(m, tile_max)
+        anchor, counts = _histogram(x, grid, anchor, counts, HIST_BINS)
+        if SKIP:
+            tl.store(TMAX + (tiles + j) * BLOCK_M + tl.arange(0, BLOCK_M), tile_max)
     dead = m == float("-inf")  # every key masked (or a row past the end): weights 0
     m = tl.where(dead, 0.0, m)
 
-    # the threshold: Newton from the lower bound tau = -1 on h(tau) = ||relu(z - tau)||_beta - 1, z = am1 (x - m)
-    tau = tl.full([BLOCK_M], -1.0, tl.float32)
+    # the threshold: Newton on h(tau) = ||relu(z - tau)||_beta - 1, z = am1 (x - m), from the histogram's start
+    tau = tl.where(dead, -1.0, _start(counts, anchor, m, grid, alpha, am1, beta, HIST_BINS, HIST_ITER))
     done = dead
     previous = tl.full([BLOCK_M], -1.0, tl.float32)
+    upper = tl.full([BLOCK_M], 0.0, tl.float32)  # above the threshold: 0 (h(0) = -1), then any tau with h < 0
     passes = 0
     pending = _sum(tl.where(done, 0, 1))
+    # Other alphas: once every pending row's last step is below ``speculate`` (Halley's next is then far below the
+    # tolerance), the pass that certifies them also adds P V at the current tau and writes the output: the output
+    # pass is saved; the rows it certifies keep that tau (within the tolerance of the next), and if any row is not
+    # certified the pass's P V is dropped and the passes go on. (The sums of P V live inside that branch only: no
+    # [BLOCK_M, HEAD_D] accumulator held through the other passes.)
+    general = (alpha != 2.0) & (alpha != 1.5)
+    last = tl.full([BLOCK_M], float("inf"), tl.float32)  # each row's last step
+    finished = 0
+    visits = n_tiles
     while (pending > 0) & (passes < max_passes):
+        spec = general & (_max(tl.where(done, 0.0, last), 0) <= speculate)
+        n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tau, am1, BLOCK_M, SKIP)
+        visits += n_live
         count = tl.full([BLOCK_M], 0.0, tl.float32)
         total = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** beta
         slope = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 1)
-        lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (1.5-entmax's closed form)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + offs_b
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv,
-                        other=0.0)
-            x = _dot(q, tl.trans(k), PRECISION) * scaling
-            x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
-                             HAS_MASK, MASK_BOOL, CAUSAL)
-            u = am1 * (x - m[:, None]) - tau[:, None]
-            inside = u > 0
-            u = tl.where(inside, u, 0.0)
-            p, s = _weights(u, alpha, beta)
-            count += _sum(inside.to(tl.float32), 1)
-            total += _sum(p, 1)
-            slope += _sum(s, 1)
-            lowest = tl.minimum(lowest, _min(tl.where(inside, u, float("inf")), 1))
-        if alpha == 2.0:  # norm = total ** (alpha - 1)
-            norm = total
-        elif alpha == 1.5:
-            norm = tl.sqrt(total)
+        lowest = tl.full([BLOCK_M], float("inf"), tl.float32)  # smallest u > 0 (the closed forms' certificates)
+        curve = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 2) (Halley's step, other alphas)
+        hold = done  # rows whose tau stays
+        if spec:  # two loops, each without a branch in its body (pipelined loads)
+            acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+            for i in range(0, n_live):
+                j = tl.load(LIST + tiles + i)
+                offs_n = j * BLOCK_N + offs_b
+                x = _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn,
+                            scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+                p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
+                                                                   total, slope, lowest, curve)
+                v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+                            other=0.0)
+                acc += _dot(p.to(v.dtype), v, PRECISION)
+                tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
+            step, settled, upper = _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta,
+                                         general, tolerance)
+            hold = done | settled
+            finished = tl.where(_sum(tl.where(hold, 0, 1)) == 0, 1, 0)
+            if finished != 0:
+                _finish(acc, total, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob,
+                        soh, som, sod)
         else:
-            norm = tl.where(total > 0, tl.exp2(am1 * tl.log2(tl.where(total > 0, total, 1.0))), 1.0)
-        norm = tl.where(total > 0, norm, 1.0)
-        step = (norm - 1.0) * (total / norm) / tl.where(slope > 0, slope, 1.0)
-        settled = tl.abs(step) <= tolerance
-        if alpha == 2.0:  # Michelot: exact once the support stops changing; the step keeps every candidate (each
-            settled = settled | (count == previous) | ((lowest > step) & (count > 0))  # u > step): it has stopped
-        elif alpha == 1.5:  # the closed form on the current candidates, exact when it keeps them all
-            disc = slope * slope - count * (total - 1.0)
-            denominator = slope + tl.sqrt(tl.maximum(disc, 0.0))
-            delta = (total - 1.0) / tl.where(denominator > 0, denominator, 1.0)
-            exact = (disc >= 0) & (delta <= lowest) & (count > 0)
-            step = tl.where(exact, delta, step)
-            settled = settled | exact
-        tau = tl.where(done, tau, tau + step)
+            for i in range(0, n_live):
+                j = tl.load(LIST + tiles + i)
+                x = _scores(q, k_base, M, b, h, offs_m, j * BLOCK_N + offs_b, offs_d, n_q, n_kv, skn, skd, smb, smh,
+                            smm, smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+                p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
+                                                                   total, slope, lowest, curve)
+            step, settled, upper = _step(count, total, slope, lowest, curve, previous, tau, upper, alpha, am1, beta,
+                                         general, tolerance)
+        tau = tl.where(hold, tau, tau + step)
         done = done | settled
+        last = tl.abs(step)
         previous = count
         passes += 1
         pending = _sum(tl.where(done, 0, 1))
     tau = tl.where(done, tau, float("nan"))  # not settled within max_passes: NaN, never a silent wrong answer
 
-    # output over the live tiles; each row's normalisation checked
-    acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
-    mass = tl.full([BLOCK_M], 0.0, tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_b
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
-        x = _dot(q, tl.trans(k), PRECISION) * scaling
-        x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
-                         HAS_MASK, MASK_BOOL, CAUSAL)
-        u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
-        p, s = _weights(u, alpha, beta)
-        mass += _sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
-        acc += _dot(p.to(v.dtype), v, PRECISION)
-        tl.store(LIVE + tiles + start_n // BLOCK_N, tl.where(_max(p) > 0, 1, 0))
-    wrong = (~dead) & ~(tl.abs(mass - 1.0) <= norm_tolerance)
-    acc = tl.where(wrong[:, None], float("nan"), acc)
-    t = tl.where(dead, float("inf"), tl.where(wrong, float("nan"), m + tau / am1))
-    row = offs_m < n_q
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
-             mask=row[:, None])
-    tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
+    # output over the live tiles (unless a certifying pass wrote it); each row's normalisation checked
+    if finished == 0:
+        n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tl.where(done, tau, -1.0), am1, BLOCK_M, SKIP)
+        visits += n_live
+        acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+        mass = tl.full([BLOCK_M], 0.0, tl.float32)
+        for i in range(0, n_live):
+            j = tl.load(LIST + tiles + i)
+            offs_n = j * BLOCK_N + offs_b
+            x = _scores(q, k_base, M, b, h, offs_m, offs_n, offs_d, n_q, n_kv, skn, skd, smb, smh, smm, smn, scaling,
+                        mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+            u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
+            p, s = _weights(u, alpha, beta)
+            mass += _sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+                        other=0.0)
+            acc += _dot(p.to(v.dtype), v, PRECISION)
+            tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
+        _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob, soh, som,
+                sod)
+    tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2, 2 + passes - finished)
+    tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2 + 1, visits)
 
 
 @device_function

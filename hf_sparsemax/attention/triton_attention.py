@@ -5,22 +5,32 @@ For each head (alpha read per head at run time from a float32 tensor: a learned 
     x = q k^T * scaling (+ mask),   p = relu((alpha - 1)(x - m) - tau) ** (1 / (alpha - 1)),   out = p v,
 
 ``m`` the row maximum and ``tau`` in [-1, 0] the row's exact threshold (``sum p = 1``). Per block of query rows
-the forward (:func:`._triton_kernels.attention_forward`) makes passes over the key blocks, recomputing ``q k^T``:
+the forward (:func:`._triton_kernels.attention_forward`) makes passes over the key tiles, recomputing ``q k^T``:
 
-1. the row maxima;
-2. the threshold by Newton on ``h(tau) = ||relu(z - tau)||_beta - 1`` (``z = (alpha - 1)(x - m)``, ``beta =
-   1 / (alpha - 1)``) from the lower bound ``tau = -1``: ``h`` is convex and decreasing, so each pass rises
-   monotonically towards the root (THEORY.md, "alpha-entmax"). Sparsemax (alpha 2): Newton is Michelot's
-   algorithm, exact once the support stops changing (certified in the same pass when the step keeps every
-   candidate). 1.5-entmax: each pass also tries the closed form on the current candidates
-   (``sum (z - tau)^2 = 1``), exact when it keeps every candidate. Other alphas: stopped once a step moves tau
-   by at most ``TOLERANCE``. A row not settled in ``MAX_PASSES`` passes gets NaN (never a silent wrong answer;
-   it does not happen for alpha in [1.125, 2]);
-3. ``P V``, the tiles with a nonzero weight kept as bits (``LIVE``, one byte a tile) for the backward, and each
-   row's ``sum p`` checked against 1 (``NORM_TOLERANCE``; NaN if not).
+1. every tile the rows see: the row maxima, each tile's row maxima (kept for the passes below: ``BLOCK_M``
+   floats a tile, unless that would pass ``SKIP_BYTES``) and a histogram a row of ``z = (alpha - 1)(x - m)`` in
+   ``HIST_BINS`` bins of width ``1 / (HIST_BINS - 1)`` below the maximum (bins on a grid of the scores, moved down
+   as the maximum rises; a tile's counts summed in one reduction as 8-bit fields of an int64). From the counts
+   the start: the root of ``L(t) = ||relu(e - t)||_beta - 1``, each score put at its bin's lower edge ``e`` (the
+   maximum at 0 exactly), found by Newton in registers. ``L <= f`` (``f(t) = ||relu(z - t)||_beta - 1``, both
+   convex and decreasing), so the start is at most the threshold, within about a bin of it;
+2. the threshold, certified pass by pass on the tiles that still have a score above the current ``tau``: Newton
+   on ``f`` (sparsemax: Michelot's step, exact once the support stops changing or when the step keeps every
+   candidate; 1.5-entmax: the closed form on the current candidates, exact when it keeps them all; other
+   alphas: Halley's step, kept within twice Newton's and below a known upper bound, until a step moves ``tau`` by
+   at most ``TOLERANCE``). A closed form certifies only from below (a start above ``tau`` by rounding takes one
+   more step, which lands below by convexity). A row not settled in ``MAX_PASSES`` passes gets NaN (never a
+   silent wrong answer; it does not happen for alpha in [1.125, 2]);
+3. ``P V`` over the tiles with a score above the final ``tau`` (other alphas: added by the pass that certifies
+   the block once its last steps are below ``SPECULATE``, which then saves this pass), the tiles with a nonzero
+   weight kept as bits (``LIVE``, one byte a tile) for the backward, and each row's ``sum p`` checked against 1
+   (``NORM_TOLERANCE``; NaN if not).
 
-Every forward pass visits every tile its rows may see (masked keys cost their share of ``q k^T``, nothing
-else): a data-dependent branch per tile would stall the pipelined loads, and the products are cheap beside them.
+The passes of 2. and 3. loop over a list of the live tiles, rebuilt before each pass from the tile maxima of pass
+1 (no product, ``BLOCK_M`` floats a tile): the loop body has no data-dependent branch, so its loads stay
+pipelined (a branch around each tile's work stalled them), and a dead tile costs nothing. On the captured
+SmolLM2 scores (``benchmarks/count_passes.py``, docs/speed-attention.md) this takes the forward from 4.6-6 full
+passes over the keys to 1.3-2.9 full passes' worth of tile visits; not yet timed on a GPU.
 
 Saved for backward: ``Q, K, V`` and one float32 a row, ``t = m + tau / (alpha - 1)`` (score units; ``+inf`` for
 a row that sees no key: weights 0, as the torch path), plus the tile bits; nothing of size ``q x kv``. The
@@ -55,6 +65,10 @@ NUM_WARPS, NUM_STAGES = 4, 3  # launch options of every kernel on a GPU (Triton'
 INTERPRET_BLOCK = 16  # rows and keys a tile under the interpreter (the smallest tl.dot tile; small tests stay fast)
 MAX_PASSES = DENSE_MAX_ITER  # threshold passes over the keys, as the CPU path's whole-row Newton
 TOLERANCE = DENSE_TOLERANCE_ULPS * torch.finfo(torch.float32).eps  # a Newton step this small settles a row
+HIST_BINS = 8  # histogram bins of z a row (width 1 / (HIST_BINS - 1)), counted in the max pass: the start
+HIST_ITER = 12  # Newton steps in registers on the binned lower bound (the start; no pass over the keys)
+SPECULATE = 1e-3  # other alphas: a pass after steps this small adds P V (Halley's next step: far below TOLERANCE)
+SKIP_BYTES = 1 << 29  # the tile maxima kept for skipping (4 bytes a query row a key tile) at most this: else none
 NORM_TOLERANCE = 1e-3  # |sum p - 1| above this marks a row NaN (a certificate, far above float32 rounding)
 HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that fit an H100's shared memory)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -222,14 +236,20 @@ def _forward(query, key, value, alphas, mask, mask_floor, causal, scaling):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     t = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
     live = torch.zeros(batch, heads, n_m, n_n, dtype=torch.int8, device=query.device)
+    tiles = batch * heads * n_m * n_n
+    skip = tiles * launch["BLOCK_M"] * 4 <= SKIP_BYTES
+    tile_max = torch.empty(tiles * launch["BLOCK_M"] if skip else 1, dtype=torch.float32, device=query.device)
+    tile_list = torch.empty(tiles, dtype=torch.int32, device=query.device)
+    work = torch.empty(batch, heads, n_m, 2, dtype=torch.int32, device=query.device)
     mask_ptr, *mask_strides = _mask_args(mask)
     _kernels().attention_forward[(n_m, batch * heads)](
-        query, key, value, mask_ptr, alphas, out, t, live,
+        query, key, value, mask_ptr, alphas, out, t, live, tile_max, tile_list, work,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads, heads // key.shape[1], n_q, key.shape[2], n_m, n_n, scaling, mask_floor, TOLERANCE, NORM_TOLERANCE,
-        MAX_PASSES, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-        CAUSAL=causal, HEAD_D=dim, PRECISION=precision, **launch)
-    return out, t, live
+        MAX_PASSES, SPECULATE, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+        CAUSAL=causal, SKIP=skip, HIST_BINS=HIST_BINS, HIST_ITER=HIST_ITER, HEAD_D=dim, PRECISION=precision,
+        **launch)
+    return out, t, live, work
 
 
 def _backward(query, key, value, alphas, mask, mask_floor, causal, scaling, t, live, grad_out, alpha_grad):
@@ -263,7 +283,7 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, alphas, mask, mask_floor, causal, scaling):
-        out, t, live = _forward(query, key, value, alphas, mask, mask_floor, causal, scaling)
+        out, t, live, _ = _forward(query, key, value, alphas, mask, mask_floor, causal, scaling)
         ctx.save_for_backward(query, key, value, alphas, mask, t, live)
         ctx.mask_floor, ctx.causal, ctx.scaling = mask_floor, causal, scaling
         return out
