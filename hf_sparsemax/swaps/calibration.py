@@ -16,10 +16,10 @@ The inputs of every layer (its queries, keys, values, mask) are those of the mod
 forward pass per batch through the same model with its attention computed as softmax (no second model in memory;
 the queries before any temperature, the length scale kept), which also gives each layer's softmax output. Each
 head's error depends on its own temperature only, so one 1-D search per head, all heads at once: a log grid of
-``2 ** -2 ... 2 ** 6`` (steps of 2 ** 0.5), then ``rounds`` halvings of the step around each head's best; the temperature
+``2 ** -2 ... 2 ** 6`` (steps of 2), then ``rounds`` halvings of the step around each head's best; the temperature
 a head had is kept where nothing found does better, so calibration never raises the error it measures. The
 fit reads at most ``ROWS_PER_BATCH`` query rows of each batch (evenly spaced; each row's own keys and mask):
-its cost is ``layers x (17 + 2 rounds) x rows x keys`` mapping entries, whatever the batch.
+its cost is ``layers x (9 + 2 rounds) x rows x keys`` mapping entries, whatever the batch.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from ..settings import CONFIG_KEY, SparseSettings
 from .attention_swap import set_attention
 
 CAPTURE_NAME = "hf_sparsemax_calibration"  # attention implementation of the capturing pass (softmax, recorded)
-GRID_LOG2 = (-2.0, 6.0, 0.5)  # first grid of temperatures: 2 ** (start ... stop by step)
-ROUNDS = 4  # halvings of the grid's step around each head's best: 2 ** (0.5 / 2 ** 4), temperatures within 2.2%
-ROWS_PER_BATCH = 128  # query rows of a batch (all its sequences) kept for the fit, evenly spaced, the last included
+GRID_LOG2 = (-2.0, 6.0, 1.0)  # first grid of temperatures: 2 ** (start ... stop by step)
+ROUNDS = 5  # halvings of the grid's step around each head's best: 2 ** (1 / 2 ** 5), temperatures within 2.2%
+ROWS_PER_BATCH = 64  # query rows of a batch (all its sequences) kept for the fit, evenly spaced, the last included
 CANDIDATE_BUDGET = 2 ** 24  # score entries of one call evaluating several temperatures at once
 DROPPED_KWARGS = ("past_key_values", "past_key_value", "cache")  # not kept with a layer's recorded inputs
 
@@ -209,7 +209,7 @@ def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int
     so that each layer's sparse attention outputs match the model's softmax attention outputs on ``batches``.
 
     ``batches``: a few batches of the user's data, each a dict of model inputs (``input_ids``,
-    ``attention_mask``, ...; ``labels`` are ignored); ``rounds``: halvings of the first grid's step (2 ** 0.5)
+    ``attention_mask``, ...; ``labels`` are ignored); ``rounds``: halvings of the first grid's step (a factor 2)
     around each head's best; ``rows_per_batch``: query rows of each batch the fit reads (evenly spaced). The objective is least squares on the attention
     outputs (see :mod:`hf_sparsemax.swaps.calibration` for the math and why not a divergence of the weights); the
     softmax reference is the same model with its attention computed as softmax. The fitted temperatures are set
