@@ -54,14 +54,15 @@ def main() -> None:
     hs.patch_model(model, attn=args.attn)
     results["plain_swap"] = held_out_cross_entropy(model, held)
     hs.patch_model(model, attn=args.attn, attn_options={"temperature": True})
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     report = hs.calibrate_attention(model, batches)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     results["calibrated"] = held_out_cross_entropy(model, held)
     temps = [t for layer in report["layers"] for t in layer["temperatures"]]
     print(json.dumps({
         "attn": args.attn, "block_size": args.block_size, "held_out_blocks": len(held),
         "calibration_tokens": args.batches * args.batch_size * args.block_size, "calibration_seconds": round(seconds, 2),
+        "calibration_cpu_seconds": round(cpu, 2), "threads": torch.get_num_threads(),
         "cross_entropy": {k: round(v, 4) for k, v in results.items()},
         "relative_to_unpatched": {k: round(v / results["unpatched"] - 1, 4) for k, v in results.items()},
         "output_error": {"before": round(report["error_before"], 4), "after": round(report["error_after"], 4)},
