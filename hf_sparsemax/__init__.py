@@ -37,6 +37,8 @@ from .decoding import (
     logits_processors,
 )
 from .patch import compute_loss_func, patch_model, unpatch_model
+from .swaps.calibration import calibrate_attention
+from .attention.query_scale import HeadTemperature, LengthScale, query_scale_parameters
 from .integrations.reload import install_load_hook
 from .integrations.vllm import vllm_generation_kwargs
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, perturb_max, sparse_softmax, sparsemax
@@ -66,6 +68,10 @@ install_load_hook(patch_model)  # from_pretrained restores a saved sparse model 
 
 __all__ = [
     "LearnedAlpha",
+    "HeadTemperature",
+    "LengthScale",
+    "calibrate_attention",
+    "query_scale_parameters",
     "supported_families",
     "Entmax15Loss",
     "EntmaxLogitsProcessor",
