@@ -40,11 +40,12 @@ ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, bl
 FOLDERS = {  # name: (attn, attn_options, loss); the loss folder stands for entmax15 attention too (one engine less)
     "sparsemax": ("sparsemax", {}, None),
     "entmax_bisect_1.3": ("entmax_bisect", {"alpha": 1.3}, None),
-    "learned_alpha": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}, None),
+    # learned alphas, per-head temperatures from the config (by layer) and a learned length scale (loaded as the
+    # alphas are): one folder, one engine start for the three
+    "learned_alpha": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True, "length_scale": True,
+                                        "temperature": [[0.6 + 0.25 * ((layer + head) % 9) for head in range(9)]
+                                                        for layer in range(LAYERS)]}, None),
     "entmax15+sparsemax_loss": ("entmax15", {}, "sparsemax"),
-    # per-head temperatures from the config (by layer) and a learned length scale (loaded as the alphas are)
-    "temperatures+length_scale": ("entmax15", {"temperature": [[0.6 + 0.25 * ((layer + head) % 9) for head in range(9)]
-                                                               for layer in range(LAYERS)], "length_scale": True}, None),
 }
 
 BFLOAT16_FOLDERS = {"bfloat16_softmax": None, "bfloat16_sparsemax": "sparsemax"}  # name: attn (None: softmax)
