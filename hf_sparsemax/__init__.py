@@ -38,6 +38,8 @@ from .decoding import (
     logits_processors,
 )
 from .patch import compute_loss_func, patch_model, unpatch_model
+from .swaps.calibration import calibrate_attention
+from .attention.query_scale import HeadTemperature, LengthScale, query_scale_parameters
 from .integrations.reload import install_load_hook
 from .integrations.vllm import vllm_generation_kwargs
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, perturb_max, sparse_softmax, sparsemax
@@ -70,6 +72,10 @@ __all__ = [
     "AlphaScheduleCallback",
     "SelfDistillation",
     "distillation_trainer",
+    "HeadTemperature",
+    "LengthScale",
+    "calibrate_attention",
+    "query_scale_parameters",
     "supported_families",
     "Entmax15Loss",
     "EntmaxLogitsProcessor",

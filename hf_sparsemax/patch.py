@@ -18,6 +18,7 @@ from typing import Any
 
 from . import integrations, swaps
 from ._model import base_model
+from .swaps.calibration import calibrate_attention
 from .integrations.load_marks import clear as clear_load_marks
 from .integrations.load_marks import mark as mark_for_load
 from .settings import CONFIG_KEY, SparseSettings
@@ -63,7 +64,11 @@ def patch_model(
     ``"sparsemax"``, ``"entmax15"``, ``"entmax_bisect"`` (``alpha`` in (1, 2],
     ``learn_alpha``: one trainable alpha per layer and head), ``"sparse_softmax"``
     (``top_k``), ``"taylor_softmax"`` (``order``); every sparse attention takes
-    ``chunk_size`` (queries per chunk, recomputed in backward: bounded memory on long sequences).
+    ``chunk_size`` (queries per chunk, recomputed in backward: bounded memory on long sequences) and the
+    query scales: ``temperature`` (True: one per head, 1 at start; per-layer lists of per-head values),
+    ``learn_temperature`` (trainable), ``calibrate`` (batches of model inputs: the temperatures are fitted by
+    :func:`~hf_sparsemax.calibrate_attention` once patched; not kept in the config, the temperatures are) and
+    ``length_scale`` (ASEntmax's learned per-position scale); see :mod:`hf_sparsemax.attention.query_scale`.
     ``loss``: ``None`` (leave as is), ``"cross_entropy"`` (the model's own),
     ``"sparse_softmax"`` (``top_k`` / ``top_p``), ``"sparsemax"``, ``"entmax15"``,
     ``"entmax_bisect"`` (``alpha``), ``"taylor_softmax"`` (``order``),
@@ -83,9 +88,12 @@ def patch_model(
     Everything is validated before anything changes: a ``ValueError`` leaves the model as it was.
     """
     inner = base_model(model)
+    attn_options, batches = calibration_batches(attn_options)
     request = requested(inner, attn, loss, attn_options, loss_options)
     if request is None:
         return model
+    if batches is not None and request.settings.attention_options is None:
+        raise ValueError("attn_options 'calibrate' fits the temperatures of a sparse attention: give attn=...")
     plans = [swap.plan(model, request) for swap in SWAPS]  # every check, before any change
     for swap in reversed(SWAPS):
         swap.remove(model)
@@ -93,7 +101,28 @@ def patch_model(
         if plan is not None:
             swap.apply(model, plan)
     record(inner, request.settings)
+    if batches is not None:
+        calibrate_attention(model, batches)
     return model
+
+
+def calibration_batches(attn_options: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list | None]:
+    """``attn_options`` without ``calibrate`` (data, never kept in the config) and its batches (None: not asked);
+    ``calibrate`` without a temperature option turns per-head temperatures on."""
+    if not attn_options or "calibrate" not in attn_options:
+        return attn_options, None
+    options = dict(attn_options)
+    batches = options.pop("calibrate")
+    if isinstance(batches, dict):
+        batches = [batches]
+    if batches is None or isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+        raise ValueError(f"attn_options 'calibrate' is a list of batches (dicts of model inputs), got {batches!r}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("attn_options 'calibrate' got no batches")
+    if options.get("temperature") in (None, False):
+        options["temperature"] = True
+    return options, batches
 
 
 def record(inner, settings: SparseSettings) -> None:

@@ -127,9 +127,10 @@ def test_the_swap_points_read_the_registry():
     assert {"sparsemax", "entmax15", "entmax_bisect", "sparse_softmax", "taylor_softmax",
             "normmax_bisect"} <= set(ATTENTION_MAPPINGS)
     assert not {"perturb_max", "am_softmax", "budget_bisect"} & set(ATTENTION_MAPPINGS)
-    assert ATTENTION_OPTIONS["normmax_bisect"] == ("alpha", "learn_alpha", "chunk_size", "kernel")
-    assert ATTENTION_OPTIONS["entmax_bisect"] == ("alpha", "learn_alpha", "chunk_size", "kernel")
-    assert ATTENTION_OPTIONS["taylor_softmax"] == ("order", "chunk_size", "kernel")
+    scales = ("temperature", "learn_temperature", "length_scale")
+    assert ATTENTION_OPTIONS["normmax_bisect"] == ("alpha", "learn_alpha", "chunk_size", "kernel", *scales)
+    assert ATTENTION_OPTIONS["entmax_bisect"] == ("alpha", "learn_alpha", "chunk_size", "kernel", *scales)
+    assert ATTENTION_OPTIONS["taylor_softmax"] == ("order", "chunk_size", "kernel", *scales)
     for name in registry.names("loss"):
         settings = SparseSettings(loss=name)
         assert SparseSettings.from_dict(settings.to_dict()) == settings

@@ -58,18 +58,21 @@ from torch.utils.checkpoint import checkpoint
 from .blocks import block_queries, causal_mask, threshold_attention, work_operands
 from .pages import page_summary, take_layer
 from .decode import decode_attention, decoding_step
+from .query_scale import check_temperatures, scale_queries
 from .routing import KERNELS, triton_route, wanted
 from ..mappings import registry
 from ..mappings.entmax import precise_in_float32
 
 ATTENTION_MAPPINGS = registry.names("attention")
+QUERY_SCALE_OPTIONS = ("temperature", "learn_temperature", "length_scale")  # .query_scale: every attention takes them
 ATTENTION_OPTIONS = {  # options each attention takes (chunk_size: memory-bounded path; learn_alpha: per-head alpha;
-    # kernel: which kernels run it, .routing)
+    # kernel: which kernels run it, .routing; the query scales)
     name: (*registry.REGISTRY[name].attention_options,
-           *(("learn_alpha",) if "alpha" in registry.REGISTRY[name].attention_options else ()), "chunk_size", "kernel")
+           *(("learn_alpha",) if "alpha" in registry.REGISTRY[name].attention_options else ()), "chunk_size", "kernel",
+           *QUERY_SCALE_OPTIONS)
     for name in ATTENTION_MAPPINGS
 }
-OWN_OPTIONS = ("learn_alpha", "chunk_size", "kernel")  # options of the attention, not of its mapping
+OWN_OPTIONS = ("learn_alpha", "chunk_size", "kernel", *QUERY_SCALE_OPTIONS)  # options of the attention, not its mapping
 OPTIONS_ATTR = "hf_sparsemax_attention"  # plain attribute of an attention module: its AttentionOptions
 ALPHA_ATTR = "hf_sparsemax_alpha"  # submodule of an attention module: its LearnedAlpha (saved with the weights)
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
@@ -94,8 +97,11 @@ class AttentionOptions:
 
     ``options`` is the mapping's options object (see :mod:`hf_sparsemax.mappings.registry`),
     holding only what attention accepts (``ATTENTION_OPTIONS``); ``learn_alpha``
-    (mappings with an ``alpha``), ``chunk_size`` and ``kernel`` (:mod:`.routing`: "auto", "triton" or "torch")
-    belong to attention.
+    (mappings with an ``alpha``), ``chunk_size``, ``kernel`` (:mod:`.routing`: "auto", "triton" or "torch")
+    and the query scales (:mod:`.query_scale`) belong to attention: ``temperature`` (None / False: none;
+    True: 1 for every head; per-layer lists of per-head temperatures, kept as tuples), ``learn_temperature``
+    (trainable; implies ``temperature=True`` where none is given) and ``length_scale`` (ASEntmax's learned
+    per-position scale).
     """
 
     mapping: str
@@ -103,6 +109,9 @@ class AttentionOptions:
     learn_alpha: bool = False
     chunk_size: int | None = None
     kernel: str = "auto"
+    temperature: typing.Any = None
+    learn_temperature: bool = False
+    length_scale: bool = False
 
     def __post_init__(self) -> None:
         entry = registry.attention_entry(self.mapping)
@@ -123,6 +132,15 @@ class AttentionOptions:
             raise ValueError(f"chunk_size must be a positive integer (queries per chunk), got {self.chunk_size!r}")
         if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {list(KERNELS)}, got {self.kernel!r}")
+        for name in ("learn_temperature", "length_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "temperature", temperature_option(self.temperature, self.learn_temperature))
+
+    @property
+    def scales_queries(self) -> bool:
+        """Whether the attention scales its queries (a temperature or a length scale)."""
+        return self.temperature is not None or self.length_scale
 
     @property
     def alpha(self) -> float:
@@ -144,6 +162,19 @@ class AttentionOptions:
             )
         own = {k: options.pop(k) for k in list(options) if k not in OWN_OPTIONS}
         return cls(mapping=mapping, options=entry.options(**own), **options)
+
+
+def temperature_option(value: typing.Any, learn: bool) -> bool | tuple[tuple[float, ...], ...] | None:
+    """The ``temperature`` option validated: None (none), True (1 per head) or a tuple per layer of per-head
+    temperatures (each a finite number > 0); ``learn_temperature`` without one gives True."""
+    if value is None or value is False:
+        return True if learn else None
+    if value is True:
+        return True
+    if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence) or not value:
+        raise ValueError("temperature must be True, False / None or a list of per-layer lists of per-head "
+                         f"temperatures, got {value!r}")
+    return tuple(check_temperatures(layer, f"temperature[{i}]") for i, layer in enumerate(value))
 
 
 class LearnedAlpha(nn.Module):
@@ -227,9 +258,18 @@ def sparse_attention_forward(
     """transformers' attention-function contract: ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``.
 
     Returns ``(out [B, q, H, D], weights [B, H, q, kv])``; weights are ``None`` unless asked for
-    (:func:`weights_requested`) or materialised anyway (a single block off the threshold path).
+    (:func:`weights_requested`) or materialised anyway (a single block off the threshold path). The module's
+    query scales (temperature, length scale: :mod:`.query_scale`) multiply the queries first, before any kernel.
     """
     check_kwargs(kwargs, mapping)
+    query = scale_queries(module, query, key, kwargs)
+    return scaled_attention_forward(module, query, key, value, attention_mask, scaling, dropout, softcap,
+                                    position_bias, s_aux, mapping=mapping, **kwargs)
+
+
+def scaled_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                             position_bias=None, s_aux=None, *, mapping: str, **kwargs):
+    """:func:`sparse_attention_forward` of queries already scaled (the module's query scales not applied again)."""
     layer = take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -64,6 +64,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
 from ..attention.interface import ALPHA_ATTR
+from ..swaps.attention_swap import LEARNED
 from .load_marks import METHOD, SparseLoadConfig
 from ..settings import SparseSettings
 
@@ -82,18 +83,21 @@ class SparseLoader(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         settings = SparseSettings.from_config(model.config)
         options = settings.attention_options if settings is not None else None
-        if options is not None and options.learn_alpha:
+        if options is not None and (options.learn_alpha or options.learn_temperature or options.length_scale):
             from ..swaps import ATTENTION, PatchRequest
 
             add_learned_alpha(ATTENTION.plan(model, PatchRequest(settings)))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        learned = tuple(f"{attr}.{param}" for attr, params in LEARNED for param in params)
         missing = [name for name, param in model.named_parameters()
-                   if name.endswith(f"{ALPHA_ATTR}.pre_alpha") and not getattr(param, "_is_hf_initialized", False)]
+                   if name.endswith(learned) and not getattr(param, "_is_hf_initialized", False)]
         if missing:
+            kind = {"pre_alpha": ("learn_alpha", "alphas"), "log_temperature": ("learn_temperature", "temperatures")}
+            option, what = kind.get(missing[0].rsplit(".", 1)[-1], ("length_scale", "length scales"))
             raise ValueError(
-                f"{model.name_or_path}: its config says learn_alpha but the checkpoint has no learned alphas "
+                f"{model.name_or_path}: its config says {option} but the checkpoint has no learned {what} "
                 f"({missing[0]}, ...); save the model with save_pretrained after hf_sparsemax.patch_model"
             )
         settings = SparseSettings.from_config(model.config) or SparseSettings()
@@ -131,13 +135,15 @@ def has_loss_head(model, settings: SparseSettings) -> bool:
 
 
 def add_learned_alpha(plan) -> None:
-    """Give each attention module of an attention plan its ``LearnedAlpha`` (empty, on the loading device)
-    before the weights load."""
+    """Give each attention module of an attention plan its ``LearnedAlpha``, learned ``HeadTemperature`` and
+    ``LengthScale`` (as the plan asks; values overwritten by the weights) before the weights load."""
     from ..attention.interface import LearnedAlpha
 
     for module, count in zip(plan.modules, plan.heads):
-        if ALPHA_ATTR not in module._modules:
+        if count is not None and ALPHA_ATTR not in module._modules:
             module.add_module(ALPHA_ATTR, LearnedAlpha(count, plan.options.alpha))
+    for module, scales in zip(plan.modules, plan.scales or ()):
+        scales.install(module, plan.options.learn_temperature)
 
 
 def install_load_hook(patch_model) -> None:

@@ -4,7 +4,8 @@ Each follows the protocol of :mod:`.protocol`: ``plan`` (validate, change nothin
 ``SWAPS`` are the library's own, in the order they are applied (``unpatch_model`` removes them in reverse):
 the order matters where two swaps stack on one method (the matched ``generate`` reads the loss the loss swap
 set). The swaps an engine needs (Trainer's guard, TRL's token outputs, peft's alphas, the model card) live
-with their engine in :mod:`hf_sparsemax.integrations` and follow these. Imports attention, losses, decoding,
+with their engine in :mod:`hf_sparsemax.integrations` and follow these. :mod:`.calibration` fits the per-head
+temperatures of a swapped attention (``calibrate_attention``). Imports attention, losses, decoding,
 mappings and the root's ``settings`` / ``_model``: never integrations or the app.
 """
 
