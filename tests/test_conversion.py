@@ -72,6 +72,23 @@ def test_the_schedule_ramps_then_ends_on_the_target_mappings_own_path(target, al
     assert model.config.hf_sparsemax == plain.config.hf_sparsemax
 
 
+def test_fitted_temperatures_ramp_from_1_and_are_given_back_exactly():
+    base = tiny_llama()
+    fitted = [[0.5, 0.25, 2.0, 1.0], [0.3, 0.7, 1.0, 4.0]]
+    model = hs.patch_model(copy.deepcopy(base), attn="entmax15", attn_options={"temperature": fitted})
+    callback = hs.AlphaScheduleCallback(share=0.5, start=1.01)  # 4 steps: steps 0, 1 on the ramp
+    callback.on_train_begin(None, state(0, 4), None, model=model)
+    plain = hs.patch_model(copy.deepcopy(base), attn="entmax_bisect", attn_options={"alpha": 1.01})
+    assert torch.equal(logits(model), logits(plain))  # temperature 1 at the start: alpha-entmax of the raw scores
+    callback.on_step_begin(None, state(1, 4), None, model=model)  # half way: T ** 0.5
+    half = [[t ** 0.5 for t in layer] for layer in fitted]
+    ramp = hs.patch_model(copy.deepcopy(base), attn="entmax_bisect", attn_options={"alpha": 1.255, "temperature": half})
+    assert torch.equal(logits(model), logits(ramp))
+    callback.on_step_begin(None, state(2, 4), None, model=model)
+    target = hs.patch_model(copy.deepcopy(base), attn="entmax15", attn_options={"temperature": fitted})
+    assert torch.equal(logits(model), logits(target)) and model.config.hf_sparsemax == target.config.hf_sparsemax
+
+
 def test_scheduled_alpha_is_linear_and_reaches_the_target():
     values = [scheduled_alpha(t, 1.01, 1.5, 4) for t in range(6)]
     assert values[0] == 1.01 and values[4] == values[5] == 1.5

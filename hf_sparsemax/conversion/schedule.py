@@ -20,6 +20,12 @@ read from the model as :func:`hf_sparsemax.patch_model` left it:
   heads learn apart from there. Starting the learned alphas at 1.5 after the ramp, rather than at 1.05,
   also puts them where ``1 + sigmoid`` has its largest slope (0.25 against 0.0475).
 
+Per-head temperatures (attention option ``temperature``, e.g. fitted by :func:`hf_sparsemax.calibrate_attention`
+for the target) are fitted for the target's alpha, not for alpha near 1, where they would sharpen softmax:
+on the ramp head ``h``'s temperature is ``T_h ** f``, ``f = (alpha(t) - start) / (target - start)`` (1 at
+the start, ``T_h`` at the target; a learned temperature is frozen meanwhile, as a learned alpha), and at
+step ``T`` the fitted values are given back exactly.
+
 The module options and the model's config (``config.hf_sparsemax``) keep the target throughout, so a model
 saved during the ramp reloads with the target attention.
 """
@@ -32,7 +38,8 @@ import math
 import torch
 
 from .._model import base_model
-from ..attention.interface import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
+from ..attention.interface import ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
+from ..attention.query_scale import HeadTemperature
 from ..mappings import registry
 from ..swaps.attention_swap import set_attention
 
@@ -104,13 +111,32 @@ class AlphaScheduleCallback(TrainerEvents):
             raise ValueError(f"the schedule starts at alpha {self.start} and must rise to the target, {target}")
         learned = [m for m in model.modules() if isinstance(m, LearnedAlpha)]  # peft: the adapter's copies too
         grads = [m.pre_alpha.requires_grad for m in learned]
+        heats = [m for m in model.modules() if isinstance(m, HeadTemperature)]
+        fitted = [(m.values, m.log_temperature.detach().clone() if m.learn else None,
+                   m.log_temperature.requires_grad if m.learn else None) for m in heats]
         return dict(inner=inner, mapping=mapping, modules=modules, options=options, target=target,
-                    learned=learned, grads=grads)
+                    learned=learned, grads=grads, heats=heats, fitted=fitted)
+
+    def _temperatures(self, fraction: float | None) -> None:
+        """On the ramp (``fraction`` of the way): ``T ** fraction``, learned ones frozen; None: the fitted values."""
+        plan = self._plan
+        for heat, (values, parameter, grad) in zip(plan["heats"], plan["fitted"]):
+            if fraction is not None:
+                heat.assign([value ** fraction for value in values])
+                if parameter is not None:
+                    heat.log_temperature.requires_grad_(False)
+                continue
+            heat.values, heat.cached = values, {}
+            if parameter is not None:
+                with torch.no_grad():
+                    heat.log_temperature.copy_(parameter)
+                heat.log_temperature.requires_grad_(grad)
 
     # -- the two states: on the ramp at alpha a, or the target as patched
 
     def _ramp(self, alpha: float) -> None:
         plan = self._plan
+        self._temperatures((alpha - self.start) / (plan["target"] - self.start))
         if plan["learned"]:
             with torch.no_grad():
                 for module in plan["learned"]:
@@ -127,6 +153,7 @@ class AlphaScheduleCallback(TrainerEvents):
 
     def _release(self) -> None:
         plan = self._plan
+        self._temperatures(None)
         if plan["learned"]:
             with torch.no_grad():
                 for module, grad in zip(plan["learned"], plan["grads"]):
