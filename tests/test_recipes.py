@@ -400,3 +400,24 @@ def test_the_convert_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):
     text = (out / "report.md").read_text()
     assert "## Conversion" in text and "step 0 after calibration" in text and "(curves.png)" in text
     assert (out / "curves.png").is_file()
+
+
+def test_the_conversion_targets_say_met_or_missed_with_their_numbers():
+    from hf_sparsemax.app import convert_report
+
+    def run_of(variant, seed, ce, step0, zeros, alphas=None):
+        curve = [{"step": 0, "eval_loss": step0, "attention_zero_share": 0.0},
+                 {"step": 4, "eval_loss": ce, "attention_zero_share": zeros}]
+        return {"variant": variant, "seed": seed, "cross_entropy": ce, "step0_loss": step0, "curve": curve,
+                "heldout_attention_zero_share": zeros, **({"learned_alpha_end": alphas} if alphas else {})}
+
+    runs = [run_of("softmax_ce", s, 4.0 + 0.01 * s, 4.2, 0.0) for s in range(2)]
+    runs += [run_of("entmax15_swap", s, 4.3, 5.0, 0.8) for s in range(2)]
+    runs += [run_of("entmax15_converted", s, 4.05, 4.3, 0.7) for s in range(2)]
+    runs += [run_of("learned_alpha_converted", s, 4.2, 4.2, 0.1, [[1.4, 1.5], [1.5, 1.55]]) for s in range(2)]
+    text = "\n".join(convert_report.conversion_section(runs))
+    assert "within 2% of softmax_ce with >= 60% exact zeros: **met**: held-out CE 4.050 ± 0.000 vs 4.005 ± 0.007" in text
+    assert "step 0 after calibration within 5% of the unpatched model: **met**: 4.300 vs 4.200 (+2.4%); the plain " \
+           "swap at step 0: 5.000 (+19.0%)" in text
+    assert "alphas spread >= 0.2: **MISSED**: held-out CE 4.200 ± 0.000 (+4.9%), alphas spread over 0.150" in text
+    assert "| entmax15_converted | 2 | 4.300 | 4.050 ± 0.000 | +1.1% | 70% |  |" in text
