@@ -248,6 +248,39 @@ def test_patched_llama_triton_equals_torch(monkeypatch):
     assert decoded == [9, 9] + [1] * 4  # no grad, at most 16 rows: the decoding kernel (prefill, 2 steps)
 
 
+def test_query_scales_reach_the_triton_kernels(monkeypatch):
+    """Per-head temperatures and a length scale (learned, moved off their start) are applied before the kernels:
+    the Triton path gives the torch path's logits and gradients, scales included, and decodes the same tokens."""
+    calls = []
+    original = ta.triton_attention
+    monkeypatch.setattr(ta, "triton_attention", lambda q, *a, **k: calls.append(q.shape[-2]) or original(q, *a, **k))
+    temps = [[0.5, 2.0, 1.25, 3.0], [4.0, 0.75, 1.0, 2.5]]
+    models = {}
+    for kernel in ("triton", "torch"):
+        model = hs.patch_model(tiny_llama(), attn="entmax15", attn_options={
+            "temperature": temps, "learn_temperature": True, "length_scale": True, "kernel": kernel})
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(4)
+            for _, p in hs.query_scale_parameters(model):
+                p.add_(torch.randn(p.shape, generator=g).to(p) * 0.2)
+        models[kernel] = model
+    ids = torch.randint(1, 64, (2, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits = {}
+    for kernel, model in models.items():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        logits[kernel] = out.logits
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    grads = {k: dict(hs.query_scale_parameters(m)) for k, m in models.items()}
+    assert len(grads["torch"]) == 8
+    for name, param in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][name].grad, param.grad, atol=1e-4, rtol=1e-3, msg=name)
+    with torch.no_grad():
+        tokens = {k: m.generate(input_ids=ids[:, :9], max_new_tokens=3, do_sample=False) for k, m in models.items()}
+    assert torch.equal(tokens["triton"], tokens["torch"])
+    assert calls[:2] == [20, 20]
+
+
 def test_triton_kernel_refuses_what_it_cannot_serve():
     """kernel="triton" on a call the kernels do not serve: one ValueError with the reasons, no silent fallback."""
     model = hs.patch_model(tiny_llama(), attn="sparse_softmax", attn_options={"top_k": 4, "kernel": "triton"})

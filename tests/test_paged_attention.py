@@ -63,9 +63,10 @@ class FakeEngine:
         self.sequences = sequences
         self.done = [0] * len(sequences)
 
-    def step(self, requests, attention, layers=1):
+    def step(self, requests, attention, layers=1, scales=None):
         """Run ``{request: new tokens}`` (``layers`` times over the same cache, with one plan, as an engine's layers
-        read it); returns each request's output rows (of the last)."""
+        read it); returns each request's output rows (of the last). ``scales``: the layer's query scales, applied
+        to the step's queries as vLLM's backend applies them."""
         qs, ks, vs, starts, lengths, slots = [], [], [], [0], [], []
         for request, count in requests.items():
             q, k, v = self.sequences[request]
@@ -88,6 +89,8 @@ class FakeEngine:
         value = torch.cat([*vs, torch.randn(padding, KV_HEADS, DIM, dtype=dtype)])
         batch = PagedBatch(torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
                            table.to(torch.int32), torch.cat([*slots, torch.full((padding,), -1)]))
+        if scales is not None:
+            query = torch.cat([scales.apply(query[:starts[-1]], batch), query[starts[-1]:]])
         if layers == 1:  # no plan given: paged_attention builds the step's own
             write_cache(self.cache, key, value, batch.slot_mapping)
             out = paged_attention(query, self.cache, batch, SCALE, attention)
@@ -204,4 +207,34 @@ def test_a_bfloat16_model_is_scored_solved_and_accumulated_in_float32(attn, opti
             expected = reference(module, attn, q, k, v)
             assert expected.dtype == torch.bfloat16
             torch.testing.assert_close(rows, expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert engine.done == [10, 15, 6]
+
+
+def test_query_scales_scale_each_token_at_its_position_as_transformers_does():
+    """Per-head temperatures and a length scale: the engine's tokens (prefill chunks, a cached prefix, decode
+    steps) scaled at their positions in their requests equal transformers' attention of the whole sequences."""
+    from hf_sparsemax.attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale
+
+    module, attention = layer_of("entmax15", {"temperature": [[0.5, 2.0, 1.25, 3.0]], "length_scale": True})
+    module.add_module(TEMPERATURE_ATTR, HeadTemperature([0.5, 2.0, 1.25, 3.0]))
+    length = LengthScale(HEADS)
+    with torch.no_grad():
+        length.delta.copy_(torch.tensor([1.0, 0.6, 1.5, 0.9]))
+        length.beta.copy_(torch.tensor([0.2, -0.1, 0.3, 0.05]))
+        length.gamma.copy_(torch.tensor([1.0, 2.0, 0.5, 1.5]))
+    module.add_module(LENGTH_SCALE_ATTR, length)
+    scales = paged.QueryScales(torch.tensor([0.5, 2.0, 1.25, 3.0]),
+                               tuple(p.detach() for p in (length.delta, length.beta, length.gamma)))
+    seqs = sequences([10, 15, 6])
+    engine = FakeEngine(seqs)
+    got = {r: [] for r in range(len(seqs))}
+    engine.step({2: 4}, attention, scales=scales)
+    for steps in ({0: 7, 1: 5, 2: 1}, {1: 5, 0: 1, 2: 1}, {1: 5, 0: 2}):
+        for request, rows in engine.step(steps, attention, scales=scales).items():
+            got[request].append(rows)
+    for request, (q, k, v) in enumerate(seqs):
+        expected = reference(module, "entmax15", q, k, v)
+        rows = torch.cat(got[request])
+        first = engine.done[request] - len(rows)
+        torch.testing.assert_close(rows, expected[first:engine.done[request]], rtol=0, atol=2e-6)
     assert engine.done == [10, 15, 6]

@@ -141,6 +141,32 @@ def test_calibration_lowers_the_output_error_measured_against_eager_softmax():
     assert any(abs(t - 1) > 0.05 for layer in temps for t in layer)
 
 
+def test_the_fit_reads_some_rows_each_with_its_own_keys_mask_and_position():
+    """A record cut to a few query rows gives, row for row, the sparse outputs of the whole record (left padding,
+    the causal mask made explicit, a length scale reading each row's position)."""
+    from hf_sparsemax.swaps.calibration import record_layers
+
+    model = hs.patch_model(sharp_llama(), attn="entmax15", attn_options={"temperature": TEMPS, "length_scale": True})
+    perturb(model)
+    modules = [layer.self_attn for layer in model.model.layers]
+    padded = batch("llama", length=16)
+    data = [padded, {"input_ids": padded["input_ids"]}]  # a padding mask; none (the causal mask left to attention)
+    whole = record_layers(model, modules, data, rows_per_batch=10 ** 6)
+    some = record_layers(model, modules, data, rows_per_batch=6)
+    assert whole[modules[0]][1].mask is None and some[modules[0]][1].mask is not None
+    pairs = [(module, full, cut) for module in modules for full, cut in zip(whole[module], some[module])]
+    for module, full, cut in pairs:
+        assert cut.query.shape[-2] == 3 and full.query.shape[-2] == 16
+        index = torch.tensor([0, 8, 15])  # evenly spaced from the last row
+        with torch.no_grad():
+            out_full = sparse_attention_forward(module, full.query, full.key, full.value, full.mask, mapping="entmax15",
+                                                **full.kwargs)[0]
+            out_cut = sparse_attention_forward(module, cut.query, cut.key, cut.value, cut.mask, mapping="entmax15",
+                                               **cut.kwargs)[0]
+        torch.testing.assert_close(out_cut, out_full[:, index], rtol=1e-6, atol=1e-7)
+        assert torch.equal(cut.reference, full.reference[:, index]) and torch.equal(cut.rows, full.rows[:, index])
+
+
 def test_calibrate_is_an_attention_option_and_not_kept_in_the_config():
     data = [batch("llama", length=12)]
     by_option = hs.patch_model(sharp_llama(), attn="entmax15", attn_options={"calibrate": data})
@@ -267,3 +293,26 @@ def test_unpatch_and_repatch_drop_the_scales():
     assert model.model.layers[1].self_attn.hf_sparsemax_temperature.current() == TEMPS[1]
     hs.unpatch_model(model)
     assert not any(TEMPERATURE_ATTR in m._modules or LENGTH_SCALE_ATTR in m._modules for m in model.modules())
+
+
+def test_peft_keeps_learned_temperatures_and_length_scales_with_its_adapter(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    data = batch("llama", length=12)
+    options = {"learn_temperature": True, "length_scale": True}
+    base = hs.patch_model(sharp_llama(), attn="entmax15", attn_options=options)
+    base.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    hs.patch_model(peft_model, attn="entmax15", attn_options=dict(options, calibrate=[data]))
+    perturb(peft_model)
+    trained = dict(hs.query_scale_parameters(peft_model))
+    assert len(trained) == 8 and all("modules_to_save" in name for name in trained)
+    with torch.no_grad():  # the same path (no autograd) in both
+        expected = peft_model.eval()(**data).logits
+        peft_model.save_pretrained(tmp_path / "adapter")
+        loaded = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                           tmp_path / "adapter").eval()
+        assert torch.equal(loaded(**data).logits, expected)
+        assert torch.equal(hs.patch_model(loaded)(**data).logits, expected)
+    hs.unpatch_model(peft_model)
+    assert not set(peft_model.peft_config["default"].modules_to_save or []) & {TEMPERATURE_ATTR, LENGTH_SCALE_ATTR}

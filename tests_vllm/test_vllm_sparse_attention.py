@@ -42,6 +42,9 @@ FOLDERS = {  # name: (attn, attn_options, loss); the loss folder stands for entm
     "entmax_bisect_1.3": ("entmax_bisect", {"alpha": 1.3}, None),
     "learned_alpha": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}, None),
     "entmax15+sparsemax_loss": ("entmax15", {}, "sparsemax"),
+    # per-head temperatures from the config (by layer) and a learned length scale (loaded as the alphas are)
+    "temperatures+length_scale": ("entmax15", {"temperature": [[0.6 + 0.25 * ((layer + head) % 9) for head in range(9)]
+                                                               for layer in range(LAYERS)], "length_scale": True}, None),
 }
 
 BFLOAT16_FOLDERS = {"bfloat16_softmax": None, "bfloat16_sparsemax": "sparsemax"}  # name: attn (None: softmax)
@@ -61,6 +64,10 @@ def folders(tmp_path_factory):
             for parameter_name, parameter in model.named_parameters():
                 if parameter_name.endswith("pre_alpha"):
                     parameter.data = torch.randn(parameter.shape, generator=generator) * 1.5
+        if options.get("length_scale"):  # scales off the identity, different in every layer and head
+            generator = torch.Generator().manual_seed(2)
+            for _, parameter in hs.query_scale_parameters(model):
+                parameter.data += torch.randn(parameter.shape, generator=generator) * 0.2
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         hs.unpatch_model(model)

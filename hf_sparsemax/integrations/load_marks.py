@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from .._model import base_model
 from ..attention.interface import ALPHA_ATTR
+from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR
 from ..settings import CONFIG_KEY, SparseSettings
 from ..swaps import PatchRequest
 
@@ -136,29 +137,35 @@ def clear(model) -> None:
             del model.model_tags  # the class's default (None) shows through again
 
 
-def keep_alpha_with_adapter(model) -> None:
-    """List the learned alphas in the active adapter's ``modules_to_save`` (peft saves and restores them)."""
+LEARNED_MODULES = (ALPHA_ATTR, TEMPERATURE_ATTR, LENGTH_SCALE_ATTR)  # attention submodules an adapter may keep
+
+
+def keep_alpha_with_adapter(model, names: tuple[str, ...] = (ALPHA_ATTR,)) -> None:
+    """List the learned alphas (and learned temperatures / length scales: ``names``) in the active adapter's
+    ``modules_to_save`` (peft saves and restores them)."""
     from peft.tuners.tuners_utils import BaseTuner
     from peft.utils.other import set_additional_trainable_modules
 
     adapter = model.active_adapter
     config = model.peft_config[adapter]
-    names = list(config.modules_to_save or [])
-    if ALPHA_ATTR not in names:
-        config.modules_to_save = [*names, ALPHA_ATTR]
+    listed = list(config.modules_to_save or [])
+    config.modules_to_save = [*listed, *(name for name in names if name not in listed)]
     set_additional_trainable_modules(model.base_model, config, BaseTuner.get_model_config(model), adapter)
 
 
 def release_alpha_from_adapter(model) -> None:
-    """Undo :func:`keep_alpha_with_adapter` in every adapter's config (the alpha modules themselves are gone)."""
+    """Undo :func:`keep_alpha_with_adapter` in every adapter's config (the learned modules themselves are gone)."""
     for config in model.peft_config.values():
         names = getattr(config, "modules_to_save", None)
-        if names and ALPHA_ATTR in names:
-            config.modules_to_save = [name for name in names if name != ALPHA_ATTR] or None
+        if names and set(names) & set(LEARNED_MODULES):
+            config.modules_to_save = [name for name in names if name not in LEARNED_MODULES] or None
 
 
 class AdapterAlphaPlan(NamedTuple):
-    """The learned alphas of a peft model's attention are listed in its active adapter's ``modules_to_save``."""
+    """The learned alphas (temperatures, length scales) of a peft model's attention are listed in its active
+    adapter's ``modules_to_save``: ``names``, their attribute names."""
+
+    names: tuple[str, ...]
 
 
 class AdapterAlphaSwap:
@@ -168,12 +175,14 @@ class AdapterAlphaSwap:
 
     def plan(self, model, request: PatchRequest) -> AdapterAlphaPlan | None:
         options = request.settings.attention_options
-        if options is None or not options.learn_alpha or model is base_model(model):
+        if options is None or model is base_model(model):
             return None
-        return AdapterAlphaPlan()
+        names = tuple(name for name, learned in zip(LEARNED_MODULES, (
+            options.learn_alpha, options.learn_temperature, options.length_scale)) if learned)
+        return AdapterAlphaPlan(names) if names else None
 
     def apply(self, model, plan: AdapterAlphaPlan) -> None:
-        keep_alpha_with_adapter(model)
+        keep_alpha_with_adapter(model, plan.names)
 
     def remove(self, model) -> None:
         if model is not base_model(model):

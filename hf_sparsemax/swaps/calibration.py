@@ -16,8 +16,10 @@ The inputs of every layer (its queries, keys, values, mask) are those of the mod
 forward pass per batch through the same model with its attention computed as softmax (no second model in memory;
 the queries before any temperature, the length scale kept), which also gives each layer's softmax output. Each
 head's error depends on its own temperature only, so one 1-D search per head, all heads at once: a log grid of
-``2 ** -3 ... 2 ** 6`` (steps of 2 ** 0.25), then ``rounds`` finer grids around each head's best; the temperature
-a head had is kept where nothing found does better, so calibration never raises the error it measures.
+``2 ** -2 ... 2 ** 6`` (steps of 2), then ``rounds`` halvings of the step around each head's best; the temperature
+a head had is kept where nothing found does better, so calibration never raises the error it measures. The
+fit reads at most ``ROWS_PER_BATCH`` query rows of each batch (evenly spaced; each row's own keys and mask):
+its cost is ``layers x (9 + 2 rounds) x rows x keys`` mapping entries, whatever the batch.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import torch
 from torch import nn
 
 from .._model import base_model
-from ..attention.interface import OPTIONS_ATTR, mask_function, scaled_attention_forward
+from ..attention.interface import OPTIONS_ATTR, is_causal, mask_function, scaled_attention_forward
 from ..attention.pages import take_layer
-from ..attention.query_scale import TEMPERATURE_ATTR, apply_factor, query_factor
+from ..attention.query_scale import TEMPERATURE_ATTR, apply_factor, query_factor, query_positions
 from ..settings import CONFIG_KEY, SparseSettings
 from .attention_swap import set_attention
 
 CAPTURE_NAME = "hf_sparsemax_calibration"  # attention implementation of the capturing pass (softmax, recorded)
-GRID_LOG2 = (-3.0, 6.0, 0.25)  # first grid of temperatures: 2 ** (start ... stop by step)
-REFINE_POINTS = 9  # points of each finer grid (around a head's best, one step of the grid before either side)
+GRID_LOG2 = (-2.0, 6.0, 1.0)  # first grid of temperatures: 2 ** (start ... stop by step)
+ROUNDS = 5  # halvings of the grid's step around each head's best: 2 ** (1 / 2 ** 5), temperatures within 2.2%
+ROWS_PER_BATCH = 64  # query rows of a batch (all its sequences) kept for the fit, evenly spaced, the last included
 CANDIDATE_BUDGET = 2 ** 24  # score entries of one call evaluating several temperatures at once
 DROPPED_KWARGS = ("past_key_values", "past_key_value", "cache")  # not kept with a layer's recorded inputs
 
@@ -79,8 +82,34 @@ def capture_forward(module, query, key, value, attention_mask, **kwargs):
         if rows is None or rows.shape != query.shape[:1] + query.shape[2:3]:
             rows = torch.ones(query.shape[0], query.shape[2], device=query.device)
         kept = {k: v for k, v in kwargs.items() if k not in DROPPED_KWARGS}
-        records[module].append(Record(query, key, value, attention_mask, kept, reference, rows.to(query.dtype)))
+        record = Record(query, key, value, attention_mask, kept, reference, rows.to(query.dtype))
+        records[module].append(some_rows(module, record, RECORDING["rows_per_batch"]))
     return reference, None
+
+
+def some_rows(module: nn.Module, record: Record, count: int) -> Record:
+    """``record`` with about ``count`` of its query rows (all sequences together; evenly spaced, the last kept),
+    each with its own mask: the causal mask the attention would have applied made explicit."""
+    batch, q_len = record.query.shape[0], record.query.shape[-2]
+    per_sequence = max(1, count // batch)
+    if q_len <= per_sequence:
+        return record
+    index = torch.linspace(q_len - 1, 0, per_sequence).round().long().flip(0).unique().to(record.query.device)
+    mask, kv = record.mask, record.key.shape[-2]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=record.query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(record.query.dtype).min)
+    if mask is not None:
+        mask = mask[..., :kv]
+        mask = mask.index_select(-2, index) if mask.shape[-2] == q_len else mask
+    elif is_causal(module, q_len, None, record.kwargs):
+        hidden = torch.arange(kv, device=index.device)[None, :] > (index + kv - q_len)[:, None]
+        mask = torch.zeros(hidden.shape, dtype=record.query.dtype, device=index.device).masked_fill(
+            hidden, torch.finfo(record.query.dtype).min)[None, None]
+    kwargs = {k: v for k, v in record.kwargs.items() if k != "cache_position"}
+    kwargs["position_ids"] = query_positions(record.query, record.key, record.kwargs).index_select(-1, index)
+    return Record(record.query.index_select(-2, index), record.key, record.value, mask, kwargs,
+                  record.reference.index_select(1, index), record.rows.index_select(1, index))
 
 
 def register_capture() -> None:
@@ -92,14 +121,16 @@ def register_capture() -> None:
     AttentionMaskInterface.register(CAPTURE_NAME, mask_function)
 
 
-def record_layers(model, modules: list[nn.Module], batches: Iterable[dict[str, Any]]) -> dict[nn.Module, list[Record]]:
-    """Each module's :class:`Record` of every batch, from forward passes of ``model`` with softmax attention."""
+def record_layers(model, modules: list[nn.Module], batches: Iterable[dict[str, Any]],
+                  rows_per_batch: int = ROWS_PER_BATCH) -> dict[nn.Module, list[Record]]:
+    """Each module's :class:`Record` of every batch (at most ``rows_per_batch`` query rows of it), from forward
+    passes of ``model`` with softmax attention."""
     inner = base_model(model)
     implementation = inner.config._attn_implementation
     training = model.training
     register_capture()
     records = {module: [] for module in modules}
-    RECORDING["records"] = records
+    RECORDING.update(records=records, rows_per_batch=rows_per_batch)
     try:
         set_attention(inner, CAPTURE_NAME)
         model.eval()
@@ -161,26 +192,25 @@ def fit_layer(module: nn.Module, records: list[Record], rounds: int) -> tuple[li
     before = errors[0]
     best_error, best = errors.min(0)
     best_t = candidates.gather(0, best[None])[0]
-    for _ in range(rounds):
-        offsets = torch.linspace(-step, step, REFINE_POINTS, dtype=torch.float64)
-        candidates = best_t[None] * 2.0 ** offsets[:, None]
-        errors = head_errors(module, records, candidates)
-        error, index = errors.min(0)
+    for _ in range(rounds):  # halve the bracket: the best so far, or half a step either side of it
+        step /= 2
+        candidates = best_t[None] * 2.0 ** torch.tensor([[-step], [step]], dtype=torch.float64)
+        error, index = head_errors(module, records, candidates).min(0)
         better = error < best_error
         best_t = torch.where(better, candidates.gather(0, index[None])[0], best_t)
-        best_error = torch.minimum(error, best_error)
-        step = 2 * step / (REFINE_POINTS - 1)
+        best_error = torch.where(better, error, best_error)
     energy = max(reference_energy(records), torch.finfo(torch.float64).tiny)
     return best_t.tolist(), float(before.sum()) / energy, float(best_error.sum()) / energy
 
 
-def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int = 2) -> dict[str, Any]:
+def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int = ROUNDS,
+                        rows_per_batch: int = ROWS_PER_BATCH) -> dict[str, Any]:
     """Fit the per-head temperatures of a model patched with ``attn_options={"temperature": True}`` (or a list)
     so that each layer's sparse attention outputs match the model's softmax attention outputs on ``batches``.
 
     ``batches``: a few batches of the user's data, each a dict of model inputs (``input_ids``,
-    ``attention_mask``, ...; ``labels`` are ignored); ``rounds``: finer grids after the first (each refines
-    the temperature by a factor 2 ** (0.25 / 4 ** round)). The objective is least squares on the attention
+    ``attention_mask``, ...; ``labels`` are ignored); ``rounds``: halvings of the first grid's step (a factor 2)
+    around each head's best; ``rows_per_batch``: query rows of each batch the fit reads (evenly spaced). The objective is least squares on the attention
     outputs (see :mod:`hf_sparsemax.swaps.calibration` for the math and why not a divergence of the weights); the
     softmax reference is the same model with its attention computed as softmax. The fitted temperatures are set
     in the model (learned ones as their parameter's value) and in ``config.hf_sparsemax`` (``save_pretrained``
@@ -190,13 +220,15 @@ def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
+    if isinstance(rows_per_batch, bool) or not isinstance(rows_per_batch, int) or rows_per_batch < 1:
+        raise ValueError(f"rows_per_batch must be a positive integer, got {rows_per_batch!r}")
     inner = base_model(model)
     settings = SparseSettings.from_config(inner.config)
     modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
     if settings is None or settings.attention_options is None or not modules:
         raise ValueError("calibrate_attention needs a model patched with a sparse attention and per-head "
                          "temperatures: hf_sparsemax.patch_model(model, attn=..., attn_options={'temperature': True})")
-    records = record_layers(model, modules, batches)
+    records = record_layers(model, modules, batches, rows_per_batch)
     layers = []
     for index, module in enumerate(modules):
         with torch.no_grad():

@@ -15,6 +15,11 @@ adds the layer's ``pre_alpha`` parameter (the checkpoint's ``<attention>.hf_spar
 renamed to ``<attention>.attn.hf_sparsemax_pre_alpha`` by the config's weight mapper; each tensor-parallel
 rank takes the slice of its own heads). A layer whose alphas did not load stops the engine with a
 ``ValueError`` after loading (vLLM itself checks no parameter of a quantized model).
+
+Query scales (``temperature``, ``learn_temperature``, ``length_scale``: :mod:`hf_sparsemax.attention.query_scale`)
+multiply the queries before the attention, as transformers does: fixed temperatures from the config (by the
+layer's number), learned temperatures and length scales loaded as the learned alphas are (:data:`SCALE_PARAMS`),
+each token's length scale at its position in its request.
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...settings import SparseSettings
-from .paged_attention import PagedBatch, SparseAttention, StepPlan, paged_attention, step_plan, write_cache
+from .paged_attention import PagedBatch, QueryScales, SparseAttention, StepPlan, paged_attention, step_plan
+from .paged_attention import write_cache
 
 ALPHA_PARAM = "hf_sparsemax_pre_alpha"  # on vLLM's Attention layer: the learned pre-alphas of this rank's heads
 CHECKPOINT_ALPHA = re.compile(r"\.hf_sparsemax_alpha\.pre_alpha$")  # the name transformers saves them under
+SCALE_PARAMS = {  # on vLLM's Attention layer: learned query scales of this rank's heads <- their checkpoint names
+    "hf_sparsemax_log_temperature": re.compile(r"\.hf_sparsemax_temperature\.log_temperature$"),
+    **{f"hf_sparsemax_length_{name}": re.compile(rf"\.hf_sparsemax_length_scale\.{name}$")
+       for name in ("delta", "beta", "gamma")},
+}
 PLAN = "hf_sparsemax_plan"  # on a step's attention metadata (one object, built once a step, handed to every layer)
 
 
@@ -54,6 +65,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.settings = current_attention_settings() if self.attn_type == AttentionType.DECODER else None
         self.attention: SparseAttention | None = None  # set once the layer's learned alphas loaded (learn_alpha)
+        self.query_scales: QueryScales | None = None  # set once the layer's weights loaded (temperature, length)
         if self.settings is None:
             return
         unsupported = [name for name, used in (
@@ -88,7 +100,8 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         plan = step_of(attn_metadata, kv_cache, query[:count])
         if self.kv_sharing_target_layer_name is None and key is not None:  # vLLM's condition for a cache update
             write_cache(kv_cache, key, value, plan.batch.slot_mapping, plan)
-        paged_attention(query[:count], kv_cache, plan.batch, self.scale, self.attention, output[:count], plan)
+        rows = query[:count] if self.query_scales is None else self.query_scales.apply(query[:count], plan.batch)
+        paged_attention(rows, kv_cache, plan.batch, self.scale, self.attention, output[:count], plan)
         return output
 
 
@@ -121,10 +134,14 @@ class SparseAttentionMethod(BaseKVCacheMethod):
         if not isinstance(impl, SparseCPUAttentionImpl) or impl.settings is None:
             raise ValueError(f"{layer.layer_name} runs vLLM's {type(impl).__name__}, which computes softmax, not this "
                              "folder's sparse attention: hf_sparsemax serves it on vLLM's CPU backend only")
-        if impl.settings.attention_options.learn_alpha:
-            pre_alpha = torch.nn.Parameter(torch.full((layer.num_heads,), float("nan")), requires_grad=False)
-            pre_alpha.weight_loader = load_own_heads
-            setattr(layer, ALPHA_PARAM, pre_alpha)
+        options = impl.settings.attention_options
+        learned = [ALPHA_PARAM] if options.learn_alpha else []
+        learned += ["hf_sparsemax_log_temperature"] if options.learn_temperature else []
+        learned += [name for name in SCALE_PARAMS if "length" in name] if options.length_scale else []
+        for name in learned:
+            param = torch.nn.Parameter(torch.full((layer.num_heads,), float("nan")), requires_grad=False)
+            param.weight_loader = load_own_heads
+            setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
@@ -136,10 +153,39 @@ class SparseAttentionMethod(BaseKVCacheMethod):
                                  "they did not load (no <attention>.hf_sparsemax_alpha.pre_alpha tensor in the "
                                  "checkpoint for this layer)")
             impl.attention = SparseAttention.from_settings(impl.settings, 1 + torch.sigmoid(pre_alpha.detach().float()))
+        impl.query_scales = layer_query_scales(layer, impl.settings)
+
+
+def layer_query_scales(layer: torch.nn.Module, settings: SparseSettings) -> QueryScales | None:
+    """The query scales of one layer (this rank's heads), from its loaded parameters (learned) or the folder's
+    config (fixed temperatures, indexed by the layer's number); None where it scales nothing."""
+    options = settings.attention_options
+    loaded = {name: getattr(layer, name).detach().float() for name in SCALE_PARAMS if hasattr(layer, name)}
+    missing = [name for name, value in loaded.items() if bool(torch.isnan(value).any())]
+    if missing:
+        raise ValueError(f"{layer.layer_name}: this folder's attention learned query scales ({missing[0]}) that did "
+                         "not load (no such tensor in the checkpoint for this layer)")
+    temperature = None
+    if options.learn_temperature:
+        temperature = loaded["hf_sparsemax_log_temperature"].exp()
+    elif isinstance(options.temperature, tuple):
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        heads, rank = layer.num_heads, get_tensor_model_parallel_rank()
+        values = options.temperature[extract_layer_index(layer.layer_name)]
+        temperature = torch.tensor(values[rank * heads:(rank + 1) * heads], dtype=torch.float32)
+    length = None
+    if options.length_scale:
+        length = tuple(loaded[f"hf_sparsemax_length_{name}"] for name in ("delta", "beta", "gamma"))
+    if temperature is None and length is None:
+        return None
+    return QueryScales(temperature, length)
 
 
 def load_own_heads(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy this tensor-parallel rank's heads of a layer's saved ``pre_alpha`` (all heads) into ``param``."""
+    """Copy this tensor-parallel rank's heads of a layer's saved per-head tensor (``pre_alpha``, a learned
+    temperature or length scale; all heads) into ``param``."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     heads = param.shape[0]

@@ -110,6 +110,39 @@ class SparseAttention:
         return p.to(scores.dtype).view(scores.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryScales:
+    """One layer's query scales (:mod:`hf_sparsemax.attention.query_scale`), for this rank's heads: ``temperature``
+    ``[heads]`` and ASEntmax's length scale ``(delta, beta, gamma)``, each ``[heads]`` float32 (None: none)."""
+
+    temperature: torch.Tensor | None = None
+    length: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """``query [tokens, H, D]`` scaled as transformers scales it: ``lambda(pos) / T`` in float32 (float64
+        queries: float64), each token at its position in its request, rounded once to the query's dtype."""
+        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        factor = None
+        if self.length is not None:
+            delta, beta, gamma = (t.to(query.device, dtype).view(1, -1, 1) for t in self.length)
+            grow = torch.log(token_positions(batch, query.shape[0]).to(dtype) + 2).view(-1, 1, 1)
+            factor = delta + beta * grow ** gamma
+        if self.temperature is not None:
+            temps = self.temperature.to(query.device, dtype).view(1, -1, 1)
+            factor = 1 / temps if factor is None else factor / temps
+        return query if factor is None else (query.to(dtype) * factor).to(query.dtype)
+
+
+def token_positions(batch: PagedBatch, count: int) -> torch.Tensor:
+    """``[count]`` position of each of a step's first ``count`` tokens in its request: request ``r``'s ``m`` new
+    tokens sit at ``seq_lens[r] - m ... seq_lens[r] - 1`` (read without a host sync)."""
+    starts = batch.query_start_loc.long()
+    new = starts[1:] - starts[:-1]
+    first = batch.seq_lens.long() - new
+    request = torch.repeat_interleave(torch.arange(len(new), device=starts.device), new, output_size=count)
+    return torch.arange(count, device=starts.device) - starts[request] + first[request]
+
+
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[blocks * block_size, 2, kv_heads, head_size]`` view of a ``[blocks, kv_heads, block_size, 2 * head_size]``
     cache (see the module docstring)."""

@@ -94,13 +94,15 @@ class SparseFolderConfig(QuantizationConfig):
 
     @staticmethod
     def get_checkpoint_weight_mapper():
-        """vLLM's own renames, and a learned alpha's checkpoint name onto the vLLM ``Attention`` layer's parameter."""
+        """vLLM's own renames, and a learned alpha's (temperature's, length scale's) checkpoint name onto the vLLM
+        ``Attention`` layer's parameter."""
         from vllm.model_executor.models.utils import WeightsMapper
 
-        from .backend import ALPHA_PARAM, CHECKPOINT_ALPHA
+        from .backend import ALPHA_PARAM, CHECKPOINT_ALPHA, SCALE_PARAMS
 
-        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
-            orig_to_new_regex={CHECKPOINT_ALPHA: f".attn.{ALPHA_PARAM}"})
+        renames = {CHECKPOINT_ALPHA: f".attn.{ALPHA_PARAM}", **{saved: f".attn.{name}"
+                                                               for name, saved in SCALE_PARAMS.items()}}
+        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_regex=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.attention import Attention
