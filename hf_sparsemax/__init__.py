@@ -10,6 +10,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a bare i
     ) from error
 
 from .attention import LearnedAlpha, register_attention, supported_families
+from .conversion import AlphaScheduleCallback, SelfDistillation, distillation_trainer
 from .losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
@@ -68,6 +69,9 @@ install_load_hook(patch_model)  # from_pretrained restores a saved sparse model 
 
 __all__ = [
     "LearnedAlpha",
+    "AlphaScheduleCallback",
+    "SelfDistillation",
+    "distillation_trainer",
     "HeadTemperature",
     "LengthScale",
     "calibrate_attention",

@@ -123,7 +123,7 @@ def test_every_package_ships_and_the_recipes_have_one_copy_at_the_top_level():
     assert set(setuptools["packages"]) == on_disk | {"hf_sparsemax.app.recipes"}
     assert setuptools["package-dir"] == {"hf_sparsemax.app.recipes": "recipes"}
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")) == [
-        "classify.yaml", "default.yaml"]
+        "classify.yaml", "convert.yaml", "default.yaml"]
     assert not os.path.exists(os.path.join(PACKAGE, "app", "recipes"))
 
 
@@ -135,7 +135,7 @@ LAYERS = [
     {"settings"},  # the choices a user made, validated against the registry and the attention options
     {"decoding"},  # sampling what the loss trained (reads the settings and the losses)
     {"swaps"},  # plan / apply / remove per swap point
-    {"integrations"},  # Trainer, TRL, peft, reload, vLLM
+    {"integrations", "conversion"},  # Trainer, TRL, peft, reload, vLLM; converting a softmax model (schedule, distillation)
     {"patch"},  # patch_model: the library's swaps, then the engines'
     {"app"},  # recipes and the command line
 ]

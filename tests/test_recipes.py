@@ -367,3 +367,57 @@ def test_learned_alpha_summary_counts_heads_past_the_sparse_alpha():
                                      "all_zeros": 0.225})
     assert report.learned_alpha_summary({**r, "attention_zero_heads": None}, 1.3)["sparse_zeros"] is None
     assert report.learned_alpha_section([{"variant": "plain"}]) == []
+
+
+@pytest.mark.slow
+def test_the_convert_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):
+    """recipes/convert.yaml shrunk to the tiny Llama: four variants, curves, temperatures, alphas, targets."""
+    out = tmp_path / "convert"
+    shrink = [f"model={tiny_llama}", "seeds=[0]", "training.max_steps=2", "data.categories=[murphy]",
+              "data.block_size=32", "data.train_size=16", "data.eval_size=4", "training.per_device_train_batch_size=4",
+              "eval={batch_size: 4, max_new_tokens: 4, prompts: [If], heatmap_text: Anything goes, heatmap_layer: 0, "
+              "curve_every: 1, curve_blocks: 2}", "variants.entmax15_converted.calibrate=1",
+              "variants.learned_alpha_converted.calibrate=1"]
+    assert run("compare", "convert", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
+    table = json.loads((out / "results.json").read_text())
+    assert [r["variant"] for r in table] == ["softmax_ce", "entmax15_swap", "entmax15_converted",
+                                             "learned_alpha_converted"]
+    runs = {r["variant"]: r["runs"][0] for r in table}
+    for name, r in runs.items():  # today's fields, and the curves: step 0, every step
+        assert {"variant", "cross_entropy", "attention_zero_share", "seed"} <= set(r) and r["seed"] == 0
+        assert [p["step"] for p in r["curve"]] == [0, 1, 2] and r["step0_loss"] == r["curve"][0]["eval_loss"]
+    assert runs["softmax_ce"]["heldout_attention_zero_share"] == 0  # (the tiny model's scores are too flat for zeros)
+    assert all(0 <= r["heldout_attention_zero_share"] <= 1 for r in runs.values())
+    assert runs["softmax_ce"]["step0_loss"] == pytest.approx(runs["entmax15_converted"]["curve"][0]["eval_loss"],
+                                                            rel=0.5)
+    converted = runs["entmax15_converted"]
+    assert len(converted["temperatures"]) == 2 and all(len(layer) == 4 for layer in converted["temperatures"])
+    assert converted["calibration"]["error_after"] <= converted["calibration"]["error_before"]
+    assert converted["alpha_schedule"] == {"share": 0.3, "start": 1.01} and converted["distill"]["share"] == 0.5
+    assert np.asarray(runs["learned_alpha_converted"]["learned_alpha_end"]).shape == (2, 4)
+    saved = json.loads((out / "entmax15_converted-seed0" / "variant.json").read_text())["settings"]
+    assert saved["attn"] == "entmax15" and saved["attn_options"]["temperature"] == converted["temperatures"]
+    text = (out / "report.md").read_text()
+    assert "## Conversion" in text and "step 0 after calibration" in text and "(curves.png)" in text
+    assert (out / "curves.png").is_file()
+
+
+def test_the_conversion_targets_say_met_or_missed_with_their_numbers():
+    from hf_sparsemax.app import convert_report
+
+    def run_of(variant, seed, ce, step0, zeros, alphas=None):
+        curve = [{"step": 0, "eval_loss": step0, "attention_zero_share": 0.0},
+                 {"step": 4, "eval_loss": ce, "attention_zero_share": zeros}]
+        return {"variant": variant, "seed": seed, "cross_entropy": ce, "step0_loss": step0, "curve": curve,
+                "heldout_attention_zero_share": zeros, **({"learned_alpha_end": alphas} if alphas else {})}
+
+    runs = [run_of("softmax_ce", s, 4.0 + 0.01 * s, 4.2, 0.0) for s in range(2)]
+    runs += [run_of("entmax15_swap", s, 4.3, 5.0, 0.8) for s in range(2)]
+    runs += [run_of("entmax15_converted", s, 4.05, 4.3, 0.7) for s in range(2)]
+    runs += [run_of("learned_alpha_converted", s, 4.2, 4.2, 0.1, [[1.4, 1.5], [1.5, 1.55]]) for s in range(2)]
+    text = "\n".join(convert_report.conversion_section(runs))
+    assert "within 2% of softmax_ce with >= 60% exact zeros: **met**: held-out CE 4.050 ± 0.000 vs 4.005 ± 0.007" in text
+    assert "step 0 after calibration within 5% of the unpatched model: **met**: 4.300 vs 4.200 (+2.4%); the plain " \
+           "swap at step 0: 5.000 (+19.0%)" in text
+    assert "alphas spread >= 0.2: **MISSED**: held-out CE 4.200 ± 0.000 (+4.9%), alphas spread over 0.150" in text
+    assert "| entmax15_converted | 2 | 4.300 | 4.050 ± 0.000 | +1.1% | 70% |  |" in text

@@ -183,6 +183,9 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
                 resume: bool, heatmap: bool) -> tuple[dict[str, Any], Any]:
     """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map."""
     model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
+    fitted = {}
+    if variant.calibrate is not None:
+        fitted = runner.calibrate(model, variant, train_set, recipe.training_args(variant).get("per_device_train_batch_size", 8))
     trainer = runner.make_trainer(recipe, variant, model, tokenizer, train_set, eval_set, work,
                                   num_labels=len(labels) if labels else None, custom_loss=custom_loss)
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
@@ -190,13 +193,23 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
                                "seed": recipe.training_args(variant).get("seed")}
     if variant.alpha_learning_rate is not None:
         results["alpha_learning_rate"] = variant.alpha_learning_rate
+    results.update(fitted)
+    for key in ("alpha_schedule", "distill"):
+        if getattr(variant, key) is not None:
+            results[key] = getattr(variant, key)
     start_alphas = runner.alphas_by_head(trainer.model)  # as configured: a resumed run loads its checkpoint later
+    curve = trainer.hf_sparsemax_curve
+    if curve is not None:
+        curve.start(trainer.model)  # step 0: the model as patched (and calibrated), before any callback runs
     results.update(runner.train(trainer, work, resume))
+    if curve is not None:
+        results.update(curve=curve.points, step0_loss=curve.points[0]["eval_loss"],
+                       heldout_attention_zero_share=curve.points[-1]["attention_zero_share"])
     results.update(runner.evaluate(trainer))
     results.update(runner.learned_alphas(trainer.model, start_alphas))
     attention = None
     if is_main_process():
-        runner.save_variant(work, recipe, variant, labels)
+        runner.save_variant(work, recipe, variant, labels, trainer.model)
         if recipe.task == "causal_lm":
             results["decoders"] = score_decoders(trainer.model, recipe, variant, eval_set)
             results.update(runner.sample(trainer.model, tokenizer, recipe))
@@ -310,7 +323,7 @@ def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[st
 def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str, work: str,
                      resume: bool) -> dict[str, Any]:
     """Train, evaluate and sample each ``(folder name, variant)`` run in ``work``; write the report; publish."""
-    from . import report, seeds
+    from . import convert_report, report, seeds
 
     start = time.perf_counter()
     tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
@@ -356,7 +369,10 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
             figures.append("confusion_matrix.png")
         if report.plot_learned_alphas(firsts, os.path.join(work, "learned_alphas.png")):
             figures.append("learned_alphas.png")
-        report.write_report(work, recipe, table, seconds, figures, runs=firsts)
+        if convert_report.plot_curves(results, os.path.join(work, "curves.png")):
+            figures.append("curves.png")
+        report.write_report(work, recipe, table, seconds, figures, runs=firsts,
+                            extra=convert_report.conversion_section(results))
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)

@@ -151,7 +151,9 @@ class DataSpec:
 
 @dataclasses.dataclass
 class EvalSpec:
-    """Evaluation and sampling: metrics' ``epsilon``, prompts for matched sampling, the heatmap sentence."""
+    """Evaluation and sampling: metrics' ``epsilon``, prompts for matched sampling, the heatmap sentence;
+    ``curve_every`` (null: no curves): held-out loss and exact attention zeros on the first ``curve_blocks``
+    held-out blocks before training and every ``curve_every`` steps (:mod:`.curves`)."""
 
     epsilon: float = 1e-6
     batch_size: int = 8
@@ -161,8 +163,16 @@ class EvalSpec:
     heatmap_text: str = "Anything that can go wrong will go wrong, and at the worst possible moment."
     heatmap_layer: int = -1
     heatmap_head: int = 0
+    curve_every: int | None = None
+    curve_blocks: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("curve_every", "curve_blocks"):
+            value = getattr(self, name)
+            if (value is not None or name == "curve_blocks") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RecipeError(f"eval.{name} must be a positive integer{' or null' * (name == 'curve_every')}, "
+                                  f"got {value!r}")
         if isinstance(self.prompts, str):
             self.prompts = [self.prompts]
         if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
@@ -179,6 +189,13 @@ class Variant:
     optimizer group of their own without weight decay, as "Adaptively Sparse Transformers" trains them; at a
     fine-tuning rate an alpha near 1 barely moves (``d alpha / d a = sigmoid'(a)`` is 0.05 at alpha 1.05).
     ``null``: the training learning rate.
+
+    Converting a softmax model (``recipes/convert.yaml``): ``alpha_schedule`` (``{share, start}``, or ``{}``
+    for the defaults): :class:`hf_sparsemax.AlphaScheduleCallback`, alpha from ``start`` to the attention's
+    target over ``share`` of the steps; ``distill`` (``{weight, share}``): :class:`hf_sparsemax.SelfDistillation`,
+    the model's own softmax attention outputs (adapter off) matched during the first ``share`` of the steps
+    (needs ``lora``); ``calibrate`` (a number of training batches, with ``attn_options.temperature``): the
+    per-head temperatures fitted on them by :func:`hf_sparsemax.calibrate_attention` before training. ``null``: off.
     """
 
     name: str
@@ -188,8 +205,12 @@ class Variant:
     loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     training: dict[str, Any] = dataclasses.field(default_factory=dict)
     alpha_learning_rate: float | None = None
+    alpha_schedule: dict[str, Any] | None = None
+    distill: dict[str, Any] | None = None
+    calibrate: int | None = None
 
     def __post_init__(self) -> None:
+        self.check_conversion()
         rate = self.alpha_learning_rate
         if rate is None:
             return
@@ -203,6 +224,27 @@ class Variant:
             raise ValueError("alpha_learning_rate is the learning rate of learned alphas: set attn_options.learn_alpha "
                              "to true, or drop it")
         self.alpha_learning_rate = rate
+
+    def check_conversion(self) -> None:
+        """``alpha_schedule`` / ``distill``: null or a mapping of the callback's / term's own arguments."""
+        from ..conversion import AlphaScheduleCallback, SelfDistillation
+
+        for key, cls, names in (("alpha_schedule", AlphaScheduleCallback, ("share", "start")),
+                                ("distill", SelfDistillation, ("weight", "share"))):
+            spec = getattr(self, key)
+            if spec is None:
+                continue
+            if not isinstance(spec, dict) or set(spec) - set(names):
+                raise ValueError(f"{key} must be null or a mapping of {list(names)}, got {spec!r}")
+            cls(**spec)  # validates the values
+        if self.calibrate is not None and (isinstance(self.calibrate, bool) or not isinstance(self.calibrate, int)
+                                           or self.calibrate < 1):
+            raise ValueError(f"calibrate must be a number of training batches (>= 1) or null, got {self.calibrate!r}")
+        if self.calibrate is not None and not (self.attn_options or {}).get("temperature"):
+            raise ValueError("calibrate fits per-head temperatures: set attn_options.temperature to true")
+        if self.alpha_schedule is not None and self.attn not in ("sparsemax", "entmax15", "entmax_bisect"):
+            raise ValueError(f"alpha_schedule anneals alpha-entmax: attn must be sparsemax, entmax15 or "
+                             f"entmax_bisect, not {self.attn!r}")
 
     @property
     def settings(self) -> SparseSettings:
@@ -245,8 +287,11 @@ class Recipe:
         self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, "
-                              "training, alpha_learning_rate}")
+                              "training, alpha_learning_rate, alpha_schedule, distill, calibrate}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
+            if variant.distill is not None and self.lora is None:
+                raise RecipeError(f"variants.{variant.name}.distill: self-distillation's teacher is the base model "
+                                  "with the LoRA adapter disabled; set `lora` (or drop distill)")
             if variant.loss not in (None, "cross_entropy"):
                 try:
                     registry.check_head(registry.get(variant.loss), self.task)

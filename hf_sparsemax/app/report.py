@@ -303,9 +303,10 @@ def write_samples(results: list[dict[str, Any]], prompts: list[str], path: str) 
 
 
 def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: float, figures: list[str],
-                 runs: list[dict[str, Any]] | None = None) -> str:
+                 runs: list[dict[str, Any]] | None = None, extra: list[str] | None = None) -> str:
     """report.md of a comparison; returns its path. ``runs``: per-run results (each variant's first seed) for
-    the learned alphas, ``results`` when not given."""
+    the learned alphas, ``results`` when not given; ``extra``: lines of a section of its own (the conversion's,
+    :mod:`.convert_report`), before the figures."""
     lines = [f"# hf-sparsemax compare: recipe `{recipe.name}`", "",
              f"Model `{recipe.model}`, task `{recipe.task}`, data `{recipe.data.source}`"
              f"{' ' + str(recipe.data.categories) if recipe.data.categories else ''}; "
@@ -338,6 +339,7 @@ def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: fl
                   "averaged over held-out positions; the chance a sampled token is one training excluded.", "",
                   decoder_table(results), ""]
     lines += learned_alpha_section(results if runs is None else runs)
+    lines += extra or []
     for figure in figures:
         lines += [f"![{figure}]({figure})", ""]
     if recipe.task == "causal_lm":

@@ -147,6 +147,24 @@ def patch_variant(model, recipe: Recipe, variant: Variant):
     return custom
 
 
+def calibrate(model, variant: Variant, train_set, batch_size: int) -> dict[str, Any]:
+    """Fit the per-head temperatures on the first ``variant.calibrate`` training batches
+    (:func:`hf_sparsemax.calibrate_attention`); returns ``temperatures`` ``[layer][head]`` and ``calibration``
+    (the relative output error against softmax before and after, on those batches)."""
+    from transformers import default_data_collator
+
+    from ..swaps.calibration import calibrate_attention
+
+    count = min(variant.calibrate * batch_size, len(train_set))
+    items = [train_set[i] for i in range(count)]
+    batches = [default_data_collator(items[i:i + batch_size]) for i in range(0, count, batch_size)]
+    start = time.perf_counter()
+    report = calibrate_attention(model, batches)
+    return {"temperatures": [layer["temperatures"] for layer in report["layers"]],
+            "calibration": {"error_before": report["error_before"], "error_after": report["error_after"],
+                            "batches": len(batches), "seconds": round(time.perf_counter() - start, 1)}}
+
+
 def variant_mapping(variant: Variant):
     return loss_mapping(variant.loss or "cross_entropy", **variant.loss_options)
 
@@ -242,11 +260,32 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
     args.per_device_eval_batch_size = recipe.eval.batch_size
     if variant.alpha_learning_rate is not None:
         Trainer = alpha_rate_trainer(Trainer, variant.alpha_learning_rate)
+    callbacks, curve = conversion_callbacks(recipe, variant, eval_set if train_set is not None else None)
+    if variant.distill is not None:
+        from ..conversion import SelfDistillation, distillation_trainer
+
+        Trainer = distillation_trainer(Trainer, SelfDistillation(**variant.distill))
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=custom_loss,
-                      preprocess_logits_for_metrics=preprocess, compute_metrics=compute)
+                      preprocess_logits_for_metrics=preprocess, compute_metrics=compute, callbacks=callbacks)
     trainer.hf_sparsemax_predictions = kept  # classification: filled by each evaluation (see evaluate)
+    trainer.hf_sparsemax_curve = curve  # causal LM with eval.curve_every: the held-out curves (see .curves)
     return trainer
+
+
+def conversion_callbacks(recipe: Recipe, variant: Variant, eval_set) -> tuple[list, Any]:
+    """Trainer callbacks of a variant: its alpha schedule, and the curve callback (None without curves)."""
+    callbacks, curve = [], None
+    if variant.alpha_schedule is not None:
+        from ..conversion import AlphaScheduleCallback
+
+        callbacks.append(AlphaScheduleCallback(**variant.alpha_schedule))
+    if recipe.eval.curve_every is not None and recipe.task == "causal_lm" and eval_set is not None:
+        from .curves import CurveCallback
+
+        curve = CurveCallback(eval_set, recipe.eval.curve_every, recipe.eval.curve_blocks, recipe.eval.batch_size)
+        callbacks.append(curve)
+    return callbacks, curve
 
 
 def alpha_rate_trainer(trainer_class, rate: float):
@@ -328,19 +367,14 @@ def attention_map(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[st
 
 def attention_weights(model, tokenizer, recipe: Recipe) -> tuple[np.ndarray, list[str]]:
     """``[layer, head, q, kv]`` attention weights of every layer and head on ``eval.heatmap_text``, its tokens."""
+    from .curves import returning_weights
+
     inner = base_model(model)
-    implementation = getattr(inner.config, "_attn_implementation", None)
-    switch = implementation in ("sdpa", "flash_attention_2", "flex_attention")
-    if switch:  # these kernels do not return weights; eager is the same softmax attention
-        inner.set_attn_implementation("eager")
-    try:
+    with returning_weights(model):  # sdpa and the like return no weights; eager is the same softmax attention
         encoded = tokenizer(recipe.eval.heatmap_text, return_tensors="pt").to(inner.device)
         model.eval()
         with torch.no_grad():
             out = model(**encoded, output_attentions=True)
-    finally:
-        if switch:
-            inner.set_attn_implementation(implementation)
     if not out.attentions or out.attentions[0] is None:
         raise RecipeError("the model returned no attention weights for the heatmap")
     weights = torch.stack([a[0] for a in out.attentions]).float().cpu().numpy()
@@ -372,10 +406,15 @@ def learned_alphas(model, start: list[list[float]] | None = None) -> dict[str, A
             "learned_alpha_max": float(alpha.max()), "learned_alpha_start": start, "learned_alpha_end": end}
 
 
-def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None) -> None:
+def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None, model=None) -> None:
+    """variant.json; ``settings``: those the trained ``model`` holds (fitted temperatures included), else the
+    variant's."""
+    from ..settings import SparseSettings
+
+    settings = SparseSettings.from_config(base_model(model).config) if model is not None else None
     write_json(os.path.join(folder, "variant.json"), {
         "recipe": recipe.name, "model": recipe.model, "task": recipe.task, "lora": recipe.lora is not None,
-        "variant": variant.name, "settings": variant.settings.to_dict(), "labels": labels,
+        "variant": variant.name, "settings": (settings or variant.settings).to_dict(), "labels": labels,
     })
 
 

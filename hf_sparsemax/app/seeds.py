@@ -18,7 +18,8 @@ from typing import Any
 
 NOT_AVERAGED = ("seed",)
 PER_RUN = ("texts", "decoders", "run", "seed", "folder", "resumed_from", "per_class", "confusion_matrix",
-           "learned_alpha_start", "learned_alpha_end", "attention_zero_heads")  # in runs only
+           "learned_alpha_start", "learned_alpha_end", "attention_zero_heads", "curve",
+           "temperatures", "calibration")  # in runs only
 
 
 def spread(values: list[float]) -> tuple[float, dict[str, float | None]]:

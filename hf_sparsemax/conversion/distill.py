@@ -1,0 +1,161 @@
+"""Self-distillation for converting a softmax model: the sparse attention learns the softmax model's outputs.
+
+The teacher is the same model, not a second one in memory: the same base weights with the peft adapter
+disabled, under the attention implementation the model had before the swap (softmax: sdpa / eager), run
+without gradient in eval mode. For every attention module ``l`` (``L`` of them) the term is
+
+    D = weight / L * sum_l  sum_i m_i ||s_l,i - t_l,i||^2  /  sum_i m_i ||t_l,i||^2,
+
+``s_l,i`` / ``t_l,i`` the student's / teacher's output of attention module ``l`` (after its output projection)
+at token ``i``, ``m_i`` the batch's ``attention_mask`` (1 without one): each layer's squared error relative
+to the teacher's own energy there, so every layer counts alike whatever its scale.
+
+Why the attention outputs and not the logits: what the swap changed is each layer's attention, and the
+per-layer target gives each of them its own signal (LoLCATs and DeepSeek-V3.2 match attention outputs for
+the same reason), where a KL on the logits reaches layer ``l`` only through every layer above it; the
+held-out cross-entropy already trains the logits. Calibration (``calibrate``) fits the same quantity, once,
+at patch time; distillation keeps fitting it while the adapter learns.
+
+The term is added to the training loss during the first ``share`` of the steps (``step < max(1, round(share *
+max_steps))``, halves up), then dropped: the model then trains on the data alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .._model import base_model
+from ..attention.interface import ATTENTION_MAPPINGS, attention_modules
+from ..swaps.attention_swap import ORIGINAL_ATTR, set_attention
+from .schedule import share_steps
+
+DEFAULT_WEIGHT = 1.0
+DEFAULT_SHARE = 0.5  # share of the training steps the term is on
+
+
+def softmax_implementation(inner) -> str:
+    """The attention implementation the model had before the swap (what :func:`unpatch_model` gives back)."""
+    original = vars(inner).get(ORIGINAL_ATTR)
+    return original or ("sdpa" if getattr(inner, "_supports_sdpa", False) else "eager")
+
+
+@contextlib.contextmanager
+def captured_outputs(model):
+    """Yields a list that receives the output of every attention module of ``model`` (in call order) while the
+    block runs."""
+    outputs: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        outputs.append(output[0] if isinstance(output, tuple) else output)
+
+    handles = [m.register_forward_hook(hook) for m in attention_modules(base_model(model))]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def teacher_mode(model):
+    """The model as its own teacher while the block runs: adapter disabled, softmax attention, eval mode, no
+    gradient; everything given back after."""
+    inner = base_model(model)
+    if not callable(getattr(model, "disable_adapter", None)):
+        raise ValueError("self-distillation needs a peft model: the teacher is the frozen base weights with the "
+                         "adapter disabled (with full fine-tuning no frozen copy of the softmax model is left)")
+    current, was_training = inner.config._attn_implementation, model.training
+    if current not in ATTENTION_MAPPINGS:
+        raise ValueError(f"self-distillation trains a sparse attention; this model's attention is {current!r}: "
+                         "patch it first (hs.patch_model(model, attn='entmax15'))")
+    set_attention(inner, softmax_implementation(inner))
+    model.eval()
+    try:
+        with torch.no_grad(), model.disable_adapter():
+            yield
+    finally:
+        set_attention(inner, current)
+        model.train(was_training)
+
+
+def relative_error(student: list[torch.Tensor], teacher: list[torch.Tensor], mask: torch.Tensor | None):
+    """``1/L sum_l sum_i m_i ||s_l,i - t_l,i||^2 / sum_i m_i ||t_l,i||^2`` (outputs ``[B, T, hidden]``)."""
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"the student ran {len(student)} attention modules and the teacher {len(teacher)}")
+    terms = []
+    for s, t in zip(student, teacher):
+        weight = torch.ones(s.shape[:-1], device=s.device) if mask is None else mask.to(s.device, torch.float32)
+        error = ((s.float() - t.float()) ** 2).sum(-1)
+        energy = (t.float() ** 2).sum(-1)
+        terms.append((error * weight).sum() / (energy * weight).sum().clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.stack(terms).mean()
+
+
+class SelfDistillation:
+    """The distillation term (module docstring): ``weight`` and the ``share`` of the steps it is on.
+
+    In a training loop::
+
+        distill = hs.SelfDistillation(weight=1.0)
+        with distill.student(model) as outputs:      # records the student's attention outputs
+            loss = model(**batch).loss
+        loss = loss + distill.term(model, batch, outputs)   # runs the teacher, adds the term
+
+    With ``transformers.Trainer``: ``hs.distillation_trainer(Trainer, distill)`` (the term on during the first
+    ``share`` of ``max_steps``). ``last`` holds the last term's value (a float), for logs and tests.
+    """
+
+    def __init__(self, weight: float = DEFAULT_WEIGHT, share: float = DEFAULT_SHARE) -> None:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"weight must be a number > 0, got {weight!r}")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"share must be a number in (0, 1] (the share of the training steps), got {share!r}")
+        self.weight, self.share = float(weight), float(share)
+        self.last: float | None = None
+
+    def active(self, step: int, max_steps: int) -> bool:
+        """Whether the term is on at (0-based) ``step`` of ``max_steps``."""
+        return step < share_steps(self.share, max_steps)
+
+    def student(self, model):
+        """Context manager: records the attention outputs of the forward passes run inside it."""
+        return captured_outputs(model)
+
+    def teacher(self, model, inputs: dict) -> list[torch.Tensor]:
+        """The teacher's attention outputs on ``inputs`` (no ``labels``: the teacher computes no loss)."""
+        batch = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
+        with teacher_mode(model), captured_outputs(model) as outputs:
+            model(**batch)
+        return [t.detach() for t in outputs]
+
+    def term(self, model, inputs: dict, student: list[torch.Tensor]) -> torch.Tensor:
+        """``weight`` times the relative error of ``student``'s attention outputs against the teacher's."""
+        value = self.weight * relative_error(student, self.teacher(model, inputs), inputs.get("attention_mask"))
+        self.last = float(value.detach())
+        return value
+
+
+def distillation_trainer(trainer_class, distillation: SelfDistillation):
+    """``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``) whose loss adds
+    ``distillation``'s term while it is active (``state.global_step`` against ``state.max_steps``); the
+    term's value is logged as ``distill``."""
+
+    class DistillationTrainer(trainer_class):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            if not (model.training and distillation.active(self.state.global_step, self.state.max_steps)):
+                return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+            with distillation.student(model) as outputs:
+                loss, out = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
+            loss = loss + distillation.term(model, inputs, outputs)
+            return (loss, out) if return_outputs else loss
+
+        def log(self, logs, *args, **kwargs):
+            if "loss" in logs and distillation.last is not None:
+                logs = {**logs, "distill": distillation.last}
+                distillation.last = None
+            return super().log(logs, *args, **kwargs)
+
+    DistillationTrainer.__name__ = DistillationTrainer.__qualname__ = f"Distillation{trainer_class.__name__}"
+    return DistillationTrainer
