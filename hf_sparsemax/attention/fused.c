@@ -74,20 +74,37 @@ static double closed_form(const candidate *c, int64_t n, double alpha) {
 /* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
    h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
    [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
-   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow. */
-static double newton(const candidate *c, int64_t n, double alpha, const hf_sparsemax_params *p) {
+   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow.
+   Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to every later sum: once a pass finds
+   h > 0 (lo = tau), the candidates it found at or below tau are dropped (moved past the *n kept ones, which
+   keep their order). From tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with
+   many candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
+static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
+    int64_t n = *count;
     for (int64_t it = 0; it < p->max_iter; it++) {
         double total = 0.0, slope = 0.0;
+        int64_t kept = 0;
         for (int64_t k = 0; k < n; k++) {
             double u = c[k].z - tau;
             if (u <= 0.0) continue;
+            if (kept != k) { /* the kept ones to the front, in order; the others behind them */
+                candidate swap = c[kept];
+                c[kept] = c[k];
+                c[k] = swap;
+            }
+            kept++;
             double power = beta == 1.0 ? 1.0 : beta == 2.0 ? u : pow(u, beta - 1.0); /* u ** (beta - 1) */
             total += power * u;
             slope += power;
         }
         double norm = alpha == 2.0 ? total : alpha == 1.5 ? sqrt(total) : pow(total, am1), h = norm - 1.0;
-        if (h > 0) lo = tau; else hi = tau;
+        if (h > 0) {
+            lo = tau;
+            n = kept; /* the others are at or below lo: weight 0 at every tau from here on */
+        } else {
+            hi = tau;
+        }
         double step = (lo + hi) / 2.0;
         if (slope > 0) {
             double proposal = tau + h * (total / norm) / slope;
@@ -97,6 +114,7 @@ static double newton(const candidate *c, int64_t n, double alpha, const hf_spars
         tau = step;
         if (converged) break;
     }
+    *count = n;
     return tau;
 }
 
@@ -137,7 +155,7 @@ static void attend_row(const float *s, int64_t keys, double alpha, candidate *ch
         qsort(chosen, n, sizeof(candidate), by_z_descending);
         tau = closed_form(chosen, n, alpha);
     } else {
-        tau = newton(chosen, n, alpha, p);
+        tau = newton(chosen, &n, alpha, p); /* n: the candidates above the bracket's low end */
     }
     if (tau_out) *tau_out = tau;
     double beta = 1.0 / am1;
@@ -206,8 +224,9 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
 }
 
 /* Rows of scores already computed (a prefill's block: scores [batch * kv_heads, rows, keys], masked entries at or
-   below p->masked), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; one alpha
-   (fixed_alpha) for all; out [batch * kv_heads, rows, value_dim]. */
+   below p->masked), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; alphas one
+   per query head as in a decoding step (row i of a task: the group's query head i / q_rows), or NULL: fixed_alpha
+   for all; out [batch * kv_heads, rows, value_dim]. */
 int hf_sparsemax_rows(const hf_sparsemax_params *p) {
     int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, tasks = p->batch * p->kv_heads;
     int stopped = 0;
@@ -221,7 +240,9 @@ int hf_sparsemax_rows(const hf_sparsemax_params *p) {
             int64_t task = r / rows, b = task / kv_heads, h = task % kv_heads;
             const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
                                     : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
-            attend_row(p->scores + r * keys, keys, p->fixed_alpha, chosen, v, p, p->out + r * p->value_dim,
+            double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + (r % rows) / p->q_rows]
+                                     : p->fixed_alpha;
+            attend_row(p->scores + r * keys, keys, alpha, chosen, v, p, p->out + r * p->value_dim,
                        p->taus ? p->taus + r : NULL);
         }
         free(chosen);

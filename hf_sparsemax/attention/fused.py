@@ -11,8 +11,10 @@ have weight exactly 0, since ``tau >= -1``), solves the exact threshold on them 
 Newton's method in a bisection bracket to 1e-13, Michelot's algorithm for sparsemax: the eager solvers'
 algorithms and stopping rule, :mod:`hf_sparsemax.mappings`), and adds up
 ``p_j v_j`` over the support, reading only those value rows. :func:`block_rows` does the same from a prefill
-block's scores (the products stay with BLAS), for sparsemax and 1.5-entmax, in place of the candidate search,
-the compiled solve and the gathered ``P V``. Outputs equal the general path's to float32 rounding
+block's scores (the products stay with BLAS), for every alpha in (1, 2], fixed or learned per head, in place of
+the candidate search, the compiled solve and the gathered ``P V``. Newton's iterates rise from ``tau = -1`` to
+the root, and the candidates at or below the bracket's low end are dropped after each pass, so a row with many
+candidates (alpha near 1) costs a few passes over a shrinking list. Outputs equal the general path's to float32 rounding
 (``tests/test_attention_fused.py`` checks the weights themselves against the materialised mappings in float64).
 
 The kernel is built on first use (:mod:`.kernel_build`: the system's C compiler, a cache folder only the user
@@ -181,23 +183,42 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
     return None if stopped else out
 
 
-CLOSED_FORMS = (2.0, 1.5)  # the alphas whose rows the kernel solves for a prefill (sparsemax, 1.5-entmax)
+def row_alphas(alpha, kv_heads: int, rows: int, device) -> tuple[torch.Tensor | None, int] | None:
+    """``(alphas, q_rows)`` for the kernel from a block's ``alpha``: a float in (1, 2] (None, ``rows``), or a
+    learned ``[1, Hkv, G, 1, 1]`` with every alpha in (1, 2] (its float32 alphas, one per query head, and the
+    ``rows // G`` rows of each head); None where the kernel does not serve that alpha (beyond (1, 2], Newton's
+    ``h`` is not convex: the general path bisects)."""
+    if not isinstance(alpha, torch.Tensor):
+        return (None, rows) if 1.0 < float(alpha) <= 2.0 else None
+    alphas = alpha.detach().to(device=device, dtype=torch.float32).contiguous()
+    groups = alphas.shape[2] if alphas.dim() == 5 else None
+    checked("alpha", alphas, (1, kv_heads, groups, 1, 1), device)
+    if groups == 0 or rows % groups:
+        raise ValueError(f"fused attention kernel: {rows} score rows are not {groups} query heads' rows each")
+    if not bool(((alphas > 1) & (alphas <= 2)).all()):
+        return None
+    return alphas, rows // groups
 
 
 def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice | torch.Tensor, alpha,
                taus: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``P V [B, Hkv, R, Dv]`` (float32) of a prefill block's scores ``[B, Hkv, R, n]`` (masks added) over the value
-    rows ``keys`` of ``value [B, Hkv, kv, Dv]``, for sparsemax and 1.5-entmax (their closed forms on each row's
-    candidates; other alphas' candidates are many and their Newton passes suit the compiled row kernel), or None
-    where the kernel does not serve the block (as :func:`decode`). ``taus`` (float64, ``B Hkv R`` elements, or
-    None): where given, each row's threshold on ``z = (alpha - 1)(s - max s)`` is written there, and any alpha in
-    (1, 2] is served (the C solver pinned to the Python solvers by the tests)."""
-    if (isinstance(alpha, torch.Tensor) or (alpha not in CLOSED_FORMS and taus is None) or scores.dtype != torch.float32
-            or scores.device.type != "cpu" or not scores.is_contiguous() or value.dtype not in KEY_DTYPES
-            or value.stride(-1) != 1 or scores.numel() == 0 or not available()):
+    """``P V [B, Hkv, R, Dv]`` (float32) of a prefill block's scores ``[B, Hkv, R, n]`` (masks added; ``R``: the
+    group's ``G`` query heads' rows, head after head, as :func:`.blocks.block_scores` lays them out) over the value
+    rows ``keys`` of ``value [B, Hkv, kv, Dv]``, for any alpha in (1, 2]: a float, or a learned
+    ``[1, Hkv, G, 1, 1]`` (each row solved with its head's alpha); sparsemax and 1.5-entmax rows by their closed
+    forms on the sorted candidates, the others by Newton's method on the candidates, or None where the kernel does
+    not serve the block (as :func:`decode`). ``taus`` (float64, ``B Hkv R`` elements, or None): where given, each
+    row's threshold on ``z = (alpha - 1)(s - max s)`` is written there (the C solver pinned to the Python solvers
+    by the tests)."""
+    if (scores.dtype != torch.float32 or scores.device.type != "cpu" or not scores.is_contiguous()
+            or value.dtype not in KEY_DTYPES or value.stride(-1) != 1 or scores.numel() == 0 or not available()):
         return None
     batch, kv_heads, rows, n = scores.shape
     checked("scores", scores, (batch, kv_heads, rows, n), scores.device)
+    per_row = row_alphas(alpha, kv_heads, rows, scores.device)
+    if per_row is None:
+        return None
+    alphas, q_rows = per_row
     values = checked("value rows", value[:, :, keys], (batch, kv_heads, n, None), scores.device)
     out = new_output(batch, kv_heads, rows, value.shape[-1])
     if taus is not None and (taus.dtype != torch.float64 or taus.device.type != "cpu" or not taus.is_contiguous()
@@ -205,10 +226,11 @@ def block_rows(scores: torch.Tensor, value: torch.Tensor, keys: slice | torch.Te
         raise ValueError(f"fused attention kernel: taus must be {batch * kv_heads * rows} contiguous float64s on "
                          "the CPU")
     params = solver_params(
-        taus=None if taus is None else taus.data_ptr(),
-        batch=batch, kv_heads=kv_heads, rows=rows, keys=n, value_dim=value.shape[-1], scores=scores.data_ptr(),
-        value=values.data_ptr(), v_b=values.stride(0), v_h=values.stride(1), v_n=values.stride(2),
-        fixed_alpha=float(alpha), bf16=KEY_DTYPES[value.dtype], out=out.data_ptr())
+        taus=None if taus is None else taus.data_ptr(), alphas=None if alphas is None else alphas.data_ptr(),
+        batch=batch, kv_heads=kv_heads, rows=rows, q_rows=q_rows, keys=n, value_dim=value.shape[-1],
+        scores=scores.data_ptr(), value=values.data_ptr(), v_b=values.stride(0), v_h=values.stride(1),
+        v_n=values.stride(2), fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[value.dtype],
+        out=out.data_ptr())
     stopped = library().hf_sparsemax_rows(ctypes.byref(params))
     return None if stopped else out
 
