@@ -124,7 +124,7 @@ static double newton(candidate *c, int64_t *count, double alpha, const hf_sparse
    sorted candidates, the others Newton's method. Where tau_out is not NULL, the row's tau goes there (NaN where
    the row has none: it sees no key, or holds NaN / +inf). */
 static void attend_row(const float *s, int64_t keys, double alpha, candidate *chosen, const void *value,
-                       const hf_sparsemax_params *p, float *oi, double *tau_out) {
+                       const int64_t *slot_row, const hf_sparsemax_params *p, float *oi, double *tau_out) {
     int64_t v_n = p->v_n, value_dim = p->value_dim;
     int bf16 = p->bf16;
     float masked = p->masked;
@@ -163,7 +163,7 @@ static void attend_row(const float *s, int64_t keys, double alpha, candidate *ch
         double u = chosen[k].z - tau;
         if (u <= 0.0) continue;
         float weight = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
-        int64_t at = chosen[k].j * v_n;
+        int64_t at = (slot_row ? slot_row[chosen[k].j] : chosen[k].j) * v_n;
         for (int64_t d = 0; d < value_dim; d++) oi[d] += weight * widen(value, at + d, bf16);
     }
 }
@@ -179,6 +179,7 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
     for (int64_t task = 0; task < p->batch * kv_heads; task++) {
         int64_t b = task / kv_heads, h = task % kv_heads;
         const float *q = p->query + task * rows * dim;
+        const int64_t *slot_row = p->slots ? p->slots + b * p->s_b : NULL; /* key j's row: slot_row[j] (paged) */
         float *scores = malloc(sizeof(float) * rows * keys);
         float *row = malloc(sizeof(float) * dim);
         candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
@@ -191,7 +192,7 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
         for (int64_t i = 0; mask && i < rows; i++) /* row i: query head i / q_rows of the group, its row i % q_rows */
             mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
         for (int64_t j = 0; j < keys; j++) { /* each key row read once, scored by every query row */
-            int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
+            int64_t at = b * p->k_b + h * p->k_h + (slot_row ? slot_row[j] : j) * p->k_n;
             const float *kj = (const float *)p->key + at;
             if (p->bf16) {
                 for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
@@ -215,7 +216,7 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
         for (int64_t i = 0; i < rows; i++) {
             double alpha = p->alphas ? (double)p->alphas[h * (rows / q_rows) + i / q_rows] : p->fixed_alpha;
             int64_t at = task * rows + i;
-            attend_row(scores + i * keys, keys, alpha, chosen, v, p, p->out + at * p->value_dim,
+            attend_row(scores + i * keys, keys, alpha, chosen, v, slot_row, p, p->out + at * p->value_dim,
                        p->taus ? p->taus + at : NULL);
         }
         free(scores), free(row), free(chosen), free(mask_rows);
@@ -242,7 +243,8 @@ int hf_sparsemax_rows(const hf_sparsemax_params *p) {
                                     : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
             double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + (r % rows) / p->q_rows]
                                      : p->fixed_alpha;
-            attend_row(p->scores + r * keys, keys, alpha, chosen, v, p, p->out + r * p->value_dim,
+            attend_row(p->scores + r * keys, keys, alpha, chosen, v, p->slots ? p->slots + b * p->s_b : NULL, p,
+                       p->out + r * p->value_dim,
                        p->taus ? p->taus + r : NULL);
         }
         free(chosen);

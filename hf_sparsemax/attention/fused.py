@@ -67,6 +67,8 @@ FIELDS = (  # (name, ctypes type, C type where a pointer): the one declaration o
     # the solver: Newton's stopping step and cap, the candidates z > -candidate_margin, the closed forms' limit
     ("tolerance", _F64), ("candidate_margin", _F64), ("max_iter", _I64), ("sort_below", _I64),
     ("bf16", _I32), ("threads", _I32),
+    # a paged cache (or NULL): key / value row j of batch row b is row slots[b * s_b + j] (k_b, v_b unused: 0)
+    ("slots", _PTR, "const int64_t *"), ("s_b", _I64),
 )
 
 
@@ -179,6 +181,52 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
         v_b=value.stride(0), v_h=value.stride(1), v_n=value.stride(2), m_b=strides[0], m_h=strides[1],
         m_g=strides[2], m_r=strides[3], m_n=strides[4], scaling=problem.scaling,
         fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype])
+    stopped = library().hf_sparsemax_decode(ctypes.byref(params))
+    return None if stopped else out
+
+
+def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor | None, alpha, scaling: float) -> torch.Tensor | None:
+    """``out [B, Hkv, G q, Dv]`` (float32) of decoding rows ``query [B, Hkv, G, q, D]`` (float32) over a paged cache
+    read in place: key and value ``j`` of batch row ``b`` are ``key_rows[slots[b, j]]`` / ``value_rows[...]``
+    (``[slots, Hkv, D]`` views of the engine's cache, float32 or bfloat16); ``mask`` additive, broadcastable to
+    ``[B, Hkv, G, q, keys]``, or None; ``alpha`` a float in (1, 2] or ``[1, Hkv, G, 1, 1]``. None where the kernel
+    does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read)."""
+    if (query.dtype != torch.float32 or query.device.type != "cpu" or key_rows.dtype not in KEY_DTYPES
+            or value_rows.dtype != key_rows.dtype or key_rows.stride(-1) != 1 or value_rows.stride(-1) != 1
+            or query.numel() == 0 or slots.numel() == 0 or not available()):
+        return None
+    batch, kv_heads, groups, rows, dim = query.shape
+    keys, device = slots.shape[-1], query.device
+    query = checked("query", query.contiguous(), (batch, kv_heads, groups, rows, dim), device)
+    checked("key rows", key_rows, (None, kv_heads, dim), device)
+    checked("value rows", value_rows, (key_rows.shape[0], kv_heads, None), device)
+    slots = checked("slots", slots.to(torch.int64).contiguous(), (batch, keys), device)
+    if int(slots.min()) < 0 or int(slots.max()) >= key_rows.shape[0]:
+        raise ValueError(f"fused attention kernel: a slot outside the cache's {key_rows.shape[0]} rows")
+    per_row = row_alphas(alpha, kv_heads, groups * rows, device)
+    if per_row is None:
+        return None
+    alphas = per_row[0]
+    strides = (0,) * 5
+    if mask is not None:
+        if mask.dtype != torch.float32:
+            return None
+        try:
+            mask = mask.expand(batch, kv_heads, groups, rows, keys)
+        except RuntimeError:
+            raise ValueError(f"fused attention kernel: the mask's shape {tuple(mask.shape)} does not broadcast to "
+                             f"{(batch, kv_heads, groups, rows, keys)}") from None
+        strides = checked("mask", mask, (batch, kv_heads, groups, rows, keys), device).stride()
+    out = new_output(batch, kv_heads, groups * rows, value_rows.shape[-1])
+    params = solver_params(
+        batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value_rows.shape[-1],
+        q_rows=rows, query=query.data_ptr(), key=key_rows.data_ptr(), value=value_rows.data_ptr(),
+        mask=None if mask is None else mask.data_ptr(), alphas=None if alphas is None else alphas.data_ptr(),
+        out=out.data_ptr(), k_h=key_rows.stride(1), k_n=key_rows.stride(0), v_h=value_rows.stride(1),
+        v_n=value_rows.stride(0), m_b=strides[0], m_h=strides[1], m_g=strides[2], m_r=strides[3], m_n=strides[4],
+        scaling=scaling, fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key_rows.dtype],
+        slots=slots.data_ptr(), s_b=keys)
     stopped = library().hf_sparsemax_decode(ctypes.byref(params))
     return None if stopped else out
 

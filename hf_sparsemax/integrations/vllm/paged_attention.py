@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...attention.blocks import HALF, block_queries
+from ...attention.fused import paged_decode
 from ...attention.interface import AttentionOptions
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
@@ -109,6 +110,16 @@ class SparseAttention:
             p, _ = compiled.weights(rows, masked, alpha, entry.threshold, minimum=MIN_SCORES)
         return p.to(scores.dtype).view(scores.shape)
 
+    def kernel_alpha(self, kv_heads: int, groups: int) -> float | torch.Tensor | None:
+        """The alpha the fused kernel solves this attention's rows with (a float, or ``[1, Hkv, G, 1, 1]``
+        learned), or None where it does not (a mapping without a threshold, alphas solved in float64)."""
+        entry = registry.REGISTRY[self.mapping]
+        if entry.threshold is None or self.float64:
+            return None
+        if self.alpha is not None:
+            return self.alpha.view(1, kv_heads, groups, 1, 1)
+        return float(entry.fenchel_young_alpha(self.options))
+
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[blocks * block_size, 2, kv_heads, head_size]`` view of a ``[blocks, kv_heads, block_size, 2 * head_size]``
@@ -159,6 +170,7 @@ class DecodePlan(NamedTuple):
 
     tokens: slice | torch.Tensor  # their query rows (a slice when they are consecutive)
     index: torch.Tensor  # their keys and values in the cache (:func:`gather_index`; padding: a request's first key)
+    slots: torch.Tensor  # [requests, keys] long: the cache rows of their keys, read in place by the fused kernel
     mask: torch.Tensor | None  # [requests, 1, 1, 1, keys] additive: finfo.min on the padding (None: no padding)
     requests: int
     keys: int
@@ -230,9 +242,9 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
             hidden = torch.arange(keys, device=device) >= decode_lengths[:, None]  # [requests, keys]
             mask = torch.zeros(hidden.shape, dtype=work, device=device).masked_fill_(hidden, masked_below(work))
             mask = mask[:, None, None, None]
+        slots = key_slots(table[index], decode_lengths, block_size, keys)
         decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
-                            gather_index(key_slots(table[index], decode_lengths, block_size, keys), kv_heads), mask,
-                            len(decoding), keys)
+                            gather_index(slots, kv_heads), slots, mask, len(decoding), keys)
     prefills, entries = [], sum(count * lengths[request] for request, count in enumerate(new) if count > 1)
     for request in (request for request, count in enumerate(new) if count > 1):
         length, count = lengths[request], new[request]
@@ -290,6 +302,21 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     return out.view(batch, kv_heads * groups, rows, dim)
 
 
+def kernel_decode(rows: torch.Tensor, kv_cache: torch.Tensor, decode: DecodePlan, scale: float,
+                  attention: SparseAttention) -> torch.Tensor | None:
+    """Output ``[R, H, 1, D]`` (float32) of the decode requests' ``rows [R, Hkv, G, 1, D]`` by the fused kernel
+    (:func:`hf_sparsemax.attention.fused.paged_decode`: the cache read in place through the requests' slots, no
+    gather; the exact threshold on each row's candidates, ``P V`` over the support), or None where it does not
+    serve the call (then :func:`attend` on gathered rows)."""
+    batch, kv_heads, groups, _, dim = rows.shape
+    alpha = attention.kernel_alpha(kv_heads, groups)
+    if alpha is None or rows.dtype not in (torch.float32, *HALF):
+        return None
+    cache = cache_rows(kv_cache)
+    out = paged_decode(rows.float(), cache[:, 0], cache[:, 1], decode.slots, decode.mask, alpha, scale)
+    return None if out is None else out.view(batch, kv_heads * groups, 1, -1)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
                     attention: SparseAttention, output: torch.Tensor | None = None,
                     plan: StepPlan | None = None) -> torch.Tensor:
@@ -306,9 +333,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     groups = heads // kv_heads
     if plan.decode is not None:  # one padded batch: a row for each request
         decode = plan.decode
-        keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
         rows = query[decode.tokens].view(decode.requests, kv_heads, groups, 1, dim)
-        found = attend(rows, keys, values, decode.mask, scale, attention)
+        found = kernel_decode(rows, kv_cache, decode, scale, attention)
+        if found is None:  # the general path: the keys and values gathered, the registry's solver
+            keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
+            found = attend(rows, keys, values, decode.mask, scale, attention)
         out[decode.tokens] = found.view(decode.requests, heads, dim).to(out.dtype)
     for request in plan.prefills:
         keys, values = gather(kv_cache, request.index, 1, request.length)
