@@ -215,19 +215,23 @@ KERNEL_SERVED = [a for a in THRESHOLDS if a[1].get("alpha") != 1.05]  # 1.05: so
 def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, options, dtype, monkeypatch):
     """Decode requests of different lengths (a padded batch), rows apart: the fused kernel serves them, reading
     each request's keys and values through its slots (no gather), equal to the gathered general path's output and
-    to transformers'; a mapping the kernel does not solve (top-k sparse softmax) still gathers."""
-    gathered, served, original = [], [], paged.kernel_decode
+    to transformers'; the prefills (a whole prompt, and chunks after it) go through transformers' blocked
+    attention (:func:`.paged_attention.blocked_prefill`) on their gathered keys."""
+    gathered, served, prefilled, original = [], [], [], paged.kernel_decode
     monkeypatch.setattr(paged, "gather", lambda *a, gather=paged.gather: gathered.append(a[2]) or gather(*a))
     monkeypatch.setattr(paged, "kernel_decode", lambda *a: served.append(original(*a)) or served[-1])
+    monkeypatch.setattr(paged, "blocked_prefill",
+                        lambda *a, blocked=paged.blocked_prefill: prefilled.append(blocked(*a)) or prefilled[-1])
     module, attention = layer_of(attn, options)
-    seqs = [tuple(t.to(dtype) for t in s) for s in sequences([9, 14, 7], seed=3)]
+    seqs = [tuple(t.to(dtype) for t in s) for s in sequences([9, 14, 9], seed=3)]
     engine = FakeEngine(seqs, seed=4)
     engine.cache = engine.cache.to(dtype)
     got = {r: [] for r in range(len(seqs))}
-    for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1}, {0: 1, 2: 1}):
+    for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1}, {0: 1, 2: 3}):
         for request, rows in engine.step(steps, attention).items():
             got[request].append(rows)
-    assert gathered == [1, 1, 1] and len(served) == 3 and all(found is not None for found in served)
+    assert gathered == [1, 1, 1, 1] and len(served) == 3 and all(found is not None for found in served)
+    assert len(prefilled) == 4 and all(found is not None for found in prefilled)
     for request, (q, k, v) in enumerate(seqs):
         expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
         rows = torch.cat(got[request])

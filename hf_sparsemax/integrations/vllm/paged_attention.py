@@ -11,11 +11,10 @@ backend) is read here as ``[blocks * block_size, 2, kv_heads, head_size]``: the 
 slot ``s = block * block_size + offset`` sit in row ``s`` (this module's own layout, not the C++ kernels': a
 layer only ever reads what it wrote). ``block_table[r]`` lists request ``r``'s blocks in order.
 
-The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the registry's solver
-of the saved mapping (:mod:`hf_sparsemax.mappings.registry`: the one implementation that training, losses and
-decoding use; for the threshold mappings, sparsemax, entmax15 and entmax_bisect, its compiled row kernel from
-:data:`MIN_SCORES` scores, as transformers' decoding path runs it, :mod:`hf_sparsemax.attention.decode`);
-masked keys get weight exactly 0. A learned alpha is one value per query head. Under a half-precision model
+The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the exact threshold of the
+saved mapping (the fused kernel's or the blocked attention's, as transformers runs them; elsewhere the registry's
+solver, :mod:`hf_sparsemax.mappings.registry`, its compiled row kernel from :data:`MIN_SCORES` scores); masked
+keys get weight exactly 0. A learned alpha is one value per query head. Under a half-precision model
 (bfloat16, float16) the cache stays in the model's dtype and the rows a layer reads are cast to float32 (exact), so
 the scores, the masks, the weights and ``P V`` are float32 computations and only the output is rounded to the
 model's dtype, as transformers' path computes a half model's sparse attention
@@ -23,10 +22,16 @@ model's dtype, as transformers' path computes a half model's sparse attention
 
 One step, many layers. Everything that depends on the step's layout only (which requests decode, the cache rows
 of each request's keys, the masks) is a :class:`StepPlan`, built once a step (:func:`step_plan`; vLLM's
-backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer then
-gathers its keys and values with one index, and runs the decode steps (one new token a request) as one padded
-batched call; the other requests one at a time, their queries in blocks whose scores stay within
-:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. No layer reads a tensor's value on the host.
+backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer runs
+the decode steps (one new token a request) as one padded batched call of the fused CPU kernel
+(:func:`kernel_decode`, :func:`hf_sparsemax.attention.fused.paged_decode`), which reads each request's keys and
+values in place through their slots; the other requests one at a time, on their keys and values gathered with
+one index, through transformers' blocked threshold attention (:func:`blocked_prefill`: the same scoring, masks,
+alpha per head and solver, the fused kernel's blocks included). The mappings the kernel and the blocked
+attention leave out (``sparse_softmax``, alphas solved in float64, float16 caches) are scored and solved here
+(:func:`attend`), queries in blocks whose scores stay within
+:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
+once a layer (a host read); no other value is read on the host.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...attention.blocks import HALF, block_queries
+from ...attention.blocks import HALF, block_queries, threshold_attention
 from ...attention.fused import paged_decode
 from ...attention.interface import AttentionOptions
 from ...mappings import compiled, registry
@@ -317,6 +322,31 @@ def kernel_decode(rows: torch.Tensor, kv_cache: torch.Tensor, decode: DecodePlan
     return None if out is None else out.view(batch, kv_heads * groups, 1, -1)
 
 
+def blocked_prefill(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale: float,
+                    attention: SparseAttention) -> torch.Tensor | None:
+    """Output ``[m, H, D]`` of a request's ``m`` new query rows ``rows [m, H, D]`` over its ``length`` keys
+    (``keys`` / ``values [1, Hkv, length, D]``, the last ``m`` new: query ``i`` sees ``j <= length - m + i``) by
+    transformers' blocked threshold attention without autograd (:func:`.blocks.threshold_attention`: the same
+    scoring, masks, alpha per head and solver as a model's prefill, the fused kernel's blocks included), or None
+    where it does not apply (the mappings :meth:`SparseAttention.kernel_alpha` leaves out: then :func:`attend`)."""
+    count, heads, _ = rows.shape
+    if attention.kernel_alpha(keys.shape[1], heads // keys.shape[1]) is None or rows.dtype not in (
+            torch.float32, *HALF):
+        return None
+    entry = registry.REGISTRY[attention.mapping]
+    query = rows.transpose(0, 1)[None]  # [1, H, m, D]
+    mask = None  # a whole prompt: the plain causal mask, built per block
+    if length != count:  # a chunk, or a prompt whose prefix was cached: its own rows' causal mask
+        mask = causal_mask(0, count, length, count, work_dtype(rows.dtype), rows.device)[0]
+    alpha = None if attention.alpha is None else attention.alpha.to(rows.device).view(1, heads, 1, 1)
+    with torch.no_grad():
+        out = threshold_attention(query, keys, values, mask, causal=mask is None, alpha=alpha,
+                                  fixed_alpha=entry.fenchel_young_alpha(attention.options), scaling=scale,
+                                  threshold=entry.threshold, block=block_queries(1, heads, count, length),
+                                  reference=None)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
                     attention: SparseAttention, output: torch.Tensor | None = None,
                     plan: StepPlan | None = None) -> torch.Tensor:
@@ -342,6 +372,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     for request in plan.prefills:
         keys, values = gather(kv_cache, request.index, 1, request.length)
         count = request.stop - request.start
+        found = blocked_prefill(query[request.start : request.stop], keys, values, request.length, scale, attention)
+        if found is not None:  # transformers' blocked attention (and its fused kernel's blocks)
+            out[request.start : request.stop] = found.to(out.dtype)
+            continue
         for block in request.blocks:
             mask = block.mask if block.mask is not None else causal_mask(
                 block.first, block.stop, request.length, count, work_dtype(query.dtype), query.device)
