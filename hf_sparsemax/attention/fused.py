@@ -146,6 +146,19 @@ def new_output(*shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device="cpu")
 
 
+def mask_strides(mask: torch.Tensor | None, shape: tuple[int, ...], device) -> tuple[torch.Tensor | None, tuple]:
+    """``(mask, strides)``: an additive mask broadcast to ``shape`` (``[B, Hkv, G, q, keys]``) and its strides in
+    elements (all 0 where ``mask`` is None); a mask that does not broadcast is a ValueError."""
+    if mask is None:
+        return None, (0,) * len(shape)
+    try:
+        mask = mask.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"fused attention kernel: the mask's shape {tuple(mask.shape)} does not broadcast to "
+                         f"{shape}") from None
+    return mask, checked("mask", mask, shape, device).stride()
+
+
 def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
     """``out [B, Hkv, G q, D]`` (float32) of a decoding call's :class:`.blocks.Problem` (``alpha`` a float, or
     ``[1, Hkv, G, 1, 1]`` learned per head), or None where the kernel does not serve it (module docstring)."""
@@ -164,14 +177,7 @@ def decode(problem, alpha: float | torch.Tensor) -> torch.Tensor | None:
     if isinstance(alpha, torch.Tensor):
         alphas = alpha.detach().to(device=device, dtype=torch.float32).contiguous()
         checked("alpha", alphas, (1, kv_heads, groups, 1, 1), device)
-    strides = (0,) * 5
-    if mask is not None:
-        try:
-            mask = mask.expand(batch, kv_heads, groups, rows, keys)
-        except RuntimeError:
-            raise ValueError(f"fused attention kernel: the mask's shape {tuple(mask.shape)} does not broadcast to "
-                             f"{(batch, kv_heads, groups, rows, keys)}") from None
-        strides = checked("mask", mask, (batch, kv_heads, groups, rows, keys), device).stride()
+    mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), device)
     out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     params = solver_params(
@@ -194,7 +200,8 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read)."""
     if (query.dtype != torch.float32 or query.device.type != "cpu" or key_rows.dtype not in KEY_DTYPES
             or value_rows.dtype != key_rows.dtype or key_rows.stride(-1) != 1 or value_rows.stride(-1) != 1
-            or query.numel() == 0 or slots.numel() == 0 or not available()):
+            or (mask is not None and mask.dtype != torch.float32) or query.numel() == 0 or slots.numel() == 0
+            or not available()):
         return None
     batch, kv_heads, groups, rows, dim = query.shape
     keys, device = slots.shape[-1], query.device
@@ -208,16 +215,7 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     if per_row is None:
         return None
     alphas = per_row[0]
-    strides = (0,) * 5
-    if mask is not None:
-        if mask.dtype != torch.float32:
-            return None
-        try:
-            mask = mask.expand(batch, kv_heads, groups, rows, keys)
-        except RuntimeError:
-            raise ValueError(f"fused attention kernel: the mask's shape {tuple(mask.shape)} does not broadcast to "
-                             f"{(batch, kv_heads, groups, rows, keys)}") from None
-        strides = checked("mask", mask, (batch, kv_heads, groups, rows, keys), device).stride()
+    mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), device)
     out = new_output(batch, kv_heads, groups * rows, value_rows.shape[-1])
     params = solver_params(
         batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value_rows.shape[-1],
