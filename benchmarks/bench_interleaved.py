@@ -3,7 +3,8 @@ r"""Sparse attention against sdpa in one process, alternating: a steadier ratio 
 ``bench_inference.py`` runs each contender in its own fresh process, as a user would; on a virtual machine the
 speed of a process varies by 10-20% from one process to the next (memory placement), which is the size of the
 targets. Here both models live in one process (the pretrained SmolLM2-135M-Instruct, float32, fortunes text), and
-each round times one step of each, in alternating order, CPU time on one thread:
+each round times one step of each, in alternating order, CPU time on one thread (``--threads`` and ``--clock wall``
+for several):
 
 - ``decode``: one greedy decoding step from a prefilled ``DynamicCache`` of ``--context`` tokens, for sdpa, the
   sparse attention with exact KV skipping (``skip``: the fused kernel's int8 key certificate) and without
@@ -18,6 +19,8 @@ The median over ``--rounds`` rounds, and the ratios to sdpa:
 
     PYTHONPATH=. python benchmarks/bench_interleaved.py decode --context 2048 --attn sparsemax --rounds 16
     PYTHONPATH=. python benchmarks/bench_interleaved.py prefill --context 2048 --attn entmax15 --rounds 3
+    PYTHONPATH=. python benchmarks/bench_interleaved.py prefill --attn entmax_bisect --options '{"alpha": 1.3}' \
+        --threads 2 --clock wall --rounds 5
     PYTHONPATH=. python benchmarks/bench_interleaved.py decode --context 512 --attn entmax_bisect \
         --options '{"alpha": 1.3, "learn_alpha": true}'
 """
@@ -46,8 +49,13 @@ def main() -> None:
     parser.add_argument("--options", default="{}", help="attn_options as JSON")
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--sdpa-cache", action="store_true", help="decode: the sparse model starts from sdpa's cache")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (and the fused kernel's)")
+    parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                        help="cpu: the process's CPU time (one thread on a shared machine); wall: elapsed time "
+                             "(several threads)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
     from hf_sparsemax.attention import blocks, keycodes, pages
@@ -79,17 +87,18 @@ def main() -> None:
                 m = base if name == "sdpa" else model
                 os.environ[pages.ENVIRONMENT] = "0" if name == "full" else "1"
                 blocks.block_rows = fused_rows if name != "blocked" else (lambda *a: None)
-                start = time.process_time()
+                start = clock()
                 if args.step == "decode":
                     cache, token = state[name]
                     out = m(input_ids=token, past_key_values=cache)
                     state[name][1] = out.logits[:, -1].argmax(-1, keepdim=True)
                 else:
                     m(input_ids=ids, past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
-                times[name].append(time.process_time() - start)
+                times[name].append(clock() - start)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"{args.step} at {args.context} tokens, {args.attn} {args.options}, {args.rounds} rounds in one process, "
-          "CPU time, one thread: " + ", ".join(f"{n} {median[n]:.1f} ms" for n in names) + "; "
+          f"{'CPU' if args.clock == 'cpu' else 'wall'} time, {args.threads} thread(s): "
+          + ", ".join(f"{n} {median[n]:.1f} ms" for n in names) + "; "
           + ", ".join(f"{n}/sdpa {median[n] / median['sdpa']:.2f}x" for n in names[1:]))
     if args.step == "decode":
         target = TARGETS.get(args.attn) if args.context >= 8192 and args.options == "{}" else None

@@ -259,10 +259,11 @@ def test_the_kernel_is_exact_on_any_input(seed, batch, kv_heads, groups, rows, k
     assert (got[differ].abs() < 1e-6).all() and (reference[differ].abs() < 1e-6).all()  # at tau)
 
 
-@pytest.mark.parametrize("setup", ["sparsemax", "entmax15"])
+@pytest.mark.parametrize("setup", list(SETUPS))
 def test_a_no_grad_prefill_s_blocks_by_the_kernel_give_the_exact_weights(setup, monkeypatch):
-    """A prefill (no autograd, blocks of 5 queries) of sparsemax / 1.5-entmax: each block's rows solved and summed
-    by the kernel, with ``V = I``: the weights, with the same exact zeros, across the mask families."""
+    """A prefill (no autograd, blocks of 5 queries) of every threshold mapping (a learned alpha: a different one
+    per head): each block's rows solved and summed by the kernel, with ``V = I``: the weights, with the same exact
+    zeros, across the mask families."""
     small_blocks(monkeypatch, 5 * 4 * L)
     served, original = [], attention_blocks.block_rows
     monkeypatch.setattr(attention_blocks, "block_rows", lambda *a: served.append(original(*a)) or served[-1])

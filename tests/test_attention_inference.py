@@ -138,7 +138,7 @@ def test_the_decoding_path_is_not_taken_where_it_does_not_apply(decoding_calls):
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_a_no_grad_prefill_equals_the_recorded_forward(setup, gather, fused, monkeypatch):
     """Without autograd the blocked forward keeps nothing for a backward and gives the same output, bit for bit;
-    where the fused kernel solves the blocks (sparsemax, 1.5-entmax: ``fused``), to float32 rounding."""
+    where the fused kernel solves the blocks (``fused``), to float32 rounding."""
     small_blocks(monkeypatch, 100)
     if gather == "always":
         gather_always(monkeypatch)
@@ -160,7 +160,7 @@ def test_a_no_grad_prefill_equals_the_recorded_forward(setup, gather, fused, mon
     with torch.no_grad():
         plain, _ = sparse_attention_forward(module, q, k, v, None, scaling=0.4, mapping=attn)
     assert served
-    exact = not fused or setup not in ("sparsemax", "entmax15")
+    exact = not fused
     torch.testing.assert_close(plain, recorded.detach(), rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
 
 

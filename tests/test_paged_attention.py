@@ -238,3 +238,54 @@ def test_query_scales_scale_each_token_at_its_position_as_transformers_does():
         first = engine.done[request] - len(rows)
         torch.testing.assert_close(rows, expected[first:engine.done[request]], rtol=0, atol=2e-6)
     assert engine.done == [10, 15, 6]
+
+
+KERNEL_SERVED = [a for a in THRESHOLDS if a[1].get("alpha") != 1.05]  # 1.05: solved in float64 (general path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn,options", KERNEL_SERVED, ids=[f"{a}{o}" for a, o in KERNEL_SERVED])
+def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, options, dtype, monkeypatch):
+    """Decode requests of different lengths (a padded batch), rows apart: the fused kernel serves them, reading
+    each request's keys and values through its slots (no gather), equal to the gathered general path's output and
+    to transformers'; the prefills (a whole prompt, and chunks after it) go through transformers' blocked
+    attention (:func:`.paged_attention.blocked_prefill`) on their gathered keys."""
+    gathered, served, prefilled, original = [], [], [], paged.kernel_decode
+    monkeypatch.setattr(paged, "gather", lambda *a, gather=paged.gather: gathered.append(a[2]) or gather(*a))
+    monkeypatch.setattr(paged, "kernel_decode", lambda *a: served.append(original(*a)) or served[-1])
+    monkeypatch.setattr(paged, "blocked_prefill",
+                        lambda *a, blocked=paged.blocked_prefill: prefilled.append(blocked(*a)) or prefilled[-1])
+    module, attention = layer_of(attn, options)
+    seqs = [tuple(t.to(dtype) for t in s) for s in sequences([9, 14, 9], seed=3)]
+    engine = FakeEngine(seqs, seed=4)
+    engine.cache = engine.cache.to(dtype)
+    got = {r: [] for r in range(len(seqs))}
+    for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1}, {0: 1, 2: 3}):
+        for request, rows in engine.step(steps, attention).items():
+            got[request].append(rows)
+    assert gathered == [1, 1, 1, 1] and len(served) == 3 and all(found is not None for found in served)
+    assert len(prefilled) == 4 and all(found is not None for found in prefilled)
+    for request, (q, k, v) in enumerate(seqs):
+        expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
+        rows = torch.cat(got[request])
+        tolerance = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(rows.float(), expected[: len(rows)].float(), **tolerance)
+    monkeypatch.setattr(paged, "kernel_decode", lambda *a: None)  # the general path on the same cache: the same
+    again = FakeEngine(seqs, seed=4)
+    again.cache = again.cache.to(dtype)
+    for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}):
+        general = again.step(steps, attention)
+    torch.testing.assert_close(torch.cat([general[r] for r in range(3)]).float(),
+                               torch.cat([got[r][1] for r in range(3)]).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_slot_outside_the_cache_is_refused():
+    from hf_sparsemax.attention import fused
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    rows = torch.randn(8, KV_HEADS, DIM)
+    query = torch.randn(1, KV_HEADS, 2, 1, DIM)
+    with pytest.raises(ValueError, match="slot outside"):
+        fused.paged_decode(query, rows, rows, torch.tensor([[0, 8]]), None, 1.5, SCALE)
+    assert fused.paged_decode(query, rows, rows, torch.tensor([[0, 7]]), None, 1.5, SCALE) is not None

@@ -264,7 +264,7 @@ def forward_blocks(problem: Problem, block: int, keep: bool = True):
             states.append(None)
             continue
         scores, _, alpha = block_scores(problem, part, part.keys())
-        fused = None if keep else block_rows(scores, value, part.keys(), alpha)  # inference, sparsemax / 1.5-entmax
+        fused = None if keep else block_rows(scores, value, part.keys(), problem.alpha)  # inference, any alpha
         if fused is not None:  # the fused kernel: each row's candidates solved and its support's values summed
             out[..., part.start : part.stop, :] = fused.view(*query.shape[:3], part.stop - part.start, -1)
             parts.append(part)

@@ -75,20 +75,37 @@ static double closed_form(const candidate *c, int64_t n, double alpha) {
 /* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
    h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
    [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
-   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow. */
-static double newton(const candidate *c, int64_t n, double alpha, const hf_sparsemax_params *p) {
+   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow.
+   Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to every later sum: once a pass finds
+   h > 0 (lo = tau), the candidates it found at or below tau are dropped (moved past the *n kept ones, which
+   keep their order). From tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with
+   many candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
+static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
+    int64_t n = *count;
     for (int64_t it = 0; it < p->max_iter; it++) {
         double total = 0.0, slope = 0.0;
+        int64_t kept = 0;
         for (int64_t k = 0; k < n; k++) {
             double u = c[k].z - tau;
             if (u <= 0.0) continue;
+            if (kept != k) { /* the kept ones to the front, in order; the others behind them */
+                candidate swap = c[kept];
+                c[kept] = c[k];
+                c[k] = swap;
+            }
+            kept++;
             double power = beta == 1.0 ? 1.0 : beta == 2.0 ? u : pow(u, beta - 1.0); /* u ** (beta - 1) */
             total += power * u;
             slope += power;
         }
         double norm = alpha == 2.0 ? total : alpha == 1.5 ? sqrt(total) : pow(total, am1), h = norm - 1.0;
-        if (h > 0) lo = tau; else hi = tau;
+        if (h > 0) {
+            lo = tau;
+            n = kept; /* the others are at or below lo: weight 0 at every tau from here on */
+        } else {
+            hi = tau;
+        }
         double step = (lo + hi) / 2.0;
         if (slope > 0) {
             double proposal = tau + h * (total / norm) / slope;
@@ -98,17 +115,20 @@ static double newton(const candidate *c, int64_t n, double alpha, const hf_spars
         tau = step;
         if (converged) break;
     }
+    *count = n;
     return tau;
 }
 
 /* One row of scores s[0..keys) (masked keys at or below p->masked) to out_i = sum_j p_j v_j, the value rows at
-   value + index[j] * v_n (index NULL: value + j * v_n; an index ascending keeps the candidates' order);
+   value + key * v_n, key = index[j] (index NULL: j), or slot_row[key] in a paged cache (slot_row not NULL; an
+   index ascending keeps the candidates' order);
    `chosen` holds up to `keys` candidates, z_j > -p->candidate_margin (tau >= -1; a margin for
    rounding). Sparsemax and 1.5-entmax rows with at most p->sort_below candidates take the closed form on the
    sorted candidates, the others Newton's method. Where tau_out is not NULL, the row's tau goes there (NaN where
    the row has none: it sees no key, or holds NaN / +inf). */
 static void attend_keys(const float *s, int64_t keys, const int64_t *index, double alpha, candidate *chosen,
-                        const void *value, const hf_sparsemax_params *p, float *oi, double *tau_out) {
+                        const void *value, const int64_t *slot_row, const hf_sparsemax_params *p, float *oi,
+                        double *tau_out) {
     int64_t v_n = p->v_n, value_dim = p->value_dim;
     int bf16 = p->bf16;
     float masked = p->masked;
@@ -139,7 +159,7 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
         qsort(chosen, n, sizeof(candidate), by_z_descending);
         tau = closed_form(chosen, n, alpha);
     } else {
-        tau = newton(chosen, n, alpha, p);
+        tau = newton(chosen, &n, alpha, p); /* n: the candidates above the bracket's low end */
     }
     if (tau_out) *tau_out = tau;
     double beta = 1.0 / am1;
@@ -147,15 +167,15 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
         double u = chosen[k].z - tau;
         if (u <= 0.0) continue;
         float weight = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
-        int64_t at = chosen[k].j * v_n;
+        int64_t at = (slot_row ? slot_row[chosen[k].j] : chosen[k].j) * v_n;
         for (int64_t d = 0; d < value_dim; d++) oi[d] += weight * widen(value, at + d, bf16);
     }
 }
 
 /* attend_keys over all the keys of a row of scores (index NULL: score j is key j). */
 static void attend_row(const float *s, int64_t keys, double alpha, candidate *chosen, const void *value,
-                       const hf_sparsemax_params *p, float *oi, double *tau_out) {
-    attend_keys(s, keys, NULL, alpha, chosen, value, p, oi, tau_out);
+                       const int64_t *slot_row, const hf_sparsemax_params *p, float *oi, double *tau_out) {
+    attend_keys(s, keys, NULL, alpha, chosen, value, slot_row, p, oi, tau_out);
 }
 
 /* The exact scores of the keys [from, to) of task (b, h) for its `rows` query rows q, written to
@@ -165,8 +185,9 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
                                                  const float *q, const float *const *mask_rows, int64_t from,
                                                  int64_t to, float *row, float *scores) {
     int64_t rows = p->rows, keys = p->keys, dim = p->dim;
+    const int64_t *slot_row = p->slots ? p->slots + b * p->s_b : NULL; /* key j's row: slot_row[j] (paged) */
     for (int64_t j = from; j < to; j++) { /* each key row read once, scored by every query row */
-        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n;
+        int64_t at = b * p->k_b + h * p->k_h + (slot_row ? slot_row[j] : j) * p->k_n;
         const float *kj = (const float *)p->key + at;
         if (p->bf16) {
             for (int64_t d = 0; d < dim; d++) row[d] = widen(p->key, at + d, 1);
@@ -231,7 +252,9 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
    channel pair by channel pair, key by key: channel d of slot j at code_at(j, d). A block's 16 keys then take
    one 32-byte load per channel pair, widened to int16 and multiplied-and-added against the query's pair
    (vpmaddwd: two int16 products summed into each int32 lane, one lane a key), so no horizontal sum is needed. */
-#define CODE_BLOCK 16
+#if CODE_BLOCK != 16 /* from the generated header; the vector products below hold 16 keys' int32 sums a register */
+#error "CODE_BLOCK must be 16"
+#endif
 static inline int64_t code_at(int64_t slot, int64_t d, int64_t dim) {
     return (slot - slot % CODE_BLOCK) * dim + (d / 2) * (2 * CODE_BLOCK) + (slot % CODE_BLOCK) * 2 + d % 2;
 }
@@ -321,8 +344,8 @@ static void quantise_keys(const hf_sparsemax_params *p, int64_t b, int64_t h) {
             norm += (double)v * (double)v;
         }
         p->code_scales[slot] = scale;
-        double rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + 1e-12) : 0.0;
-        double kappa = sqrt(norm) * (1.0 + 1e-15);
+        double rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + NORM_SLACK) : 0.0;
+        double kappa = sqrt(norm) * (1.0 + CODE_NORM_SLACK);
         if (rho > bounds[0]) bounds[0] = rho;
         if (kappa > bounds[1]) bounds[1] = kappa;
     }
@@ -364,14 +387,14 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
             norm += (double)qi[d] * (double)qi[d];
             residual += r * r;
         }
-        norm = sqrt(norm) * (1.0 + 1e-12), residual = sqrt(residual) * (1.0 + 1e-12);
+        norm = sqrt(norm) * (1.0 + NORM_SLACK), residual = sqrt(residual) * (1.0 + NORM_SLACK);
         spec[3 * i] = (float)((double)p->scaling * scale);
         spec[3 * i + 1] = (float)(fabs((double)p->scaling) *
                                   (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa)));
         for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
-    float error = (float)p->code_error * (1.0f + 1e-6f); /* code_error is 1 (0 only in a test: no bound) */
+    float error = (float)p->code_error * (1.0f + (float)BOUND_SLACK); /* code_error is 1 (0 only in a test: no bound) */
     int32_t products[CODE_BLOCK];
     float scale_k[CODE_BLOCK], m[CODE_BLOCK];
     /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
@@ -388,7 +411,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
                 float t = sc * scale_k[l] * (float)products[l] + m[l];
-                float err = (scale_k[l] * bound + 1e-5f * (fabsf(t) + fabsf(m[l]))) * error;
+                float err = (scale_k[l] * bound + (float)SUM_SLACK * (fabsf(t) + fabsf(m[l]))) * error;
                 float lo = t - err, hi = t + err, old = low[l];
                 int masked = m[l] <= level;
                 hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */
@@ -402,7 +425,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
         double am1 = alpha - 1.0, top = -INFINITY;
         for (int64_t l = 0; l < CODE_BLOCK; l++) top = lows[i * CODE_BLOCK + l] > top ? lows[i * CODE_BLOCK + l] : top;
-        double cut = am1 > 0.0 ? top - (p->candidate_margin + 1e-9) / am1 : -INFINITY;
+        double cut = am1 > 0.0 ? top - (p->candidate_margin + CUT_SLACK) / am1 : -INFINITY;
         float rounded = (float)cut;
         spec[3 * i + 2] = (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded; /* rounded down */
     }
@@ -447,6 +470,7 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
     for (int64_t task = 0; task < p->batch * kv_heads; task++) {
         int64_t b = task / kv_heads, h = task % kv_heads;
         const float *q = p->query + task * rows * dim;
+        const int64_t *slot_row = p->slots ? p->slots + b * p->s_b : NULL; /* key j's row: slot_row[j] (paged) */
         float *scores = malloc(sizeof(float) * rows * keys);
         float *row = malloc(sizeof(float) * dim);
         candidate *chosen = malloc(sizeof(candidate) * (keys + 1));
@@ -460,8 +484,9 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
             mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
         int64_t certified = -1, n = keys, *kept = NULL;
         float *compact = NULL;
-        if (p->codes) quantise_keys(p, b, h);
-        if (p->codes && p->certify) {
+        int coded = p->codes && !slot_row; /* a paged cache keeps no codes: every key is scored */
+        if (coded) quantise_keys(p, b, h);
+        if (coded && p->certify) {
             kept = malloc(sizeof(int64_t) * keys);
             compact = malloc(sizeof(float) * rows * keys);
             if (kept && compact) certified = certified_scores(p, b, h, q, mask_rows, row, scores, kept, compact, &n);
@@ -477,7 +502,7 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
         for (int64_t i = 0; i < rows; i++) {
             double alpha = p->alphas ? (double)p->alphas[h * (rows / q_rows) + i / q_rows] : p->fixed_alpha;
             int64_t at = task * rows + i;
-            attend_keys(compact + i * n, n, kept, alpha, chosen, v, p, p->out + at * p->value_dim,
+            attend_keys(compact + i * n, n, kept, alpha, chosen, v, slot_row, p, p->out + at * p->value_dim,
                         p->taus ? p->taus + at : NULL);
         }
         if (kept) free(kept), free(compact);
@@ -487,8 +512,9 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
 }
 
 /* Rows of scores already computed (a prefill's block: scores [batch * kv_heads, rows, keys], masked entries at or
-   below p->masked), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; one alpha
-   (fixed_alpha) for all; out [batch * kv_heads, rows, value_dim]. */
+   below p->masked), task = b * kv_heads + h reading the value rows value + b * v_b + h * v_h + j * v_n; alphas one
+   per query head as in a decoding step (row i of a task: the group's query head i / q_rows), or NULL: fixed_alpha
+   for all; out [batch * kv_heads, rows, value_dim]. */
 int hf_sparsemax_rows(const hf_sparsemax_params *p) {
     int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, tasks = p->batch * p->kv_heads;
     int stopped = 0;
@@ -502,7 +528,10 @@ int hf_sparsemax_rows(const hf_sparsemax_params *p) {
             int64_t task = r / rows, b = task / kv_heads, h = task % kv_heads;
             const void *v = p->bf16 ? (const void *)((const uint16_t *)p->value + b * p->v_b + h * p->v_h)
                                     : (const void *)((const float *)p->value + b * p->v_b + h * p->v_h);
-            attend_row(p->scores + r * keys, keys, p->fixed_alpha, chosen, v, p, p->out + r * p->value_dim,
+            double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + (r % rows) / p->q_rows]
+                                     : p->fixed_alpha;
+            attend_row(p->scores + r * keys, keys, alpha, chosen, v, p->slots ? p->slots + b * p->s_b : NULL, p,
+                       p->out + r * p->value_dim,
                        p->taus ? p->taus + r : NULL);
         }
         free(chosen);

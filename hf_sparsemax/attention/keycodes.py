@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from .fused import KEY_DTYPES, MAX_CODED_DIM
+from .fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM
 from .fused import decode as fused_decode
 
 GROW = 512  # key slots added at a time to a dynamic cache's codes
-BLOCK = 16  # keys a block of codes (CODE_BLOCK in fused.c: slots come in multiples of it)
+BLOCK = CERTIFICATE["CODE_BLOCK"]  # keys a block of codes (fused.c: slots come in multiples of it)
 MIN_CERTIFIED = 0.5  # share of a step's keys certified below which the layer backs off
 RETRY = 32  # steps a layer scores every key after a step that certified less than MIN_CERTIFIED
 COUNTS = {"calls": 0, "keys": 0, "certified": 0}  # certified steps, the keys they had, the keys never read

@@ -11,11 +11,10 @@ backend) is read here as ``[blocks * block_size, 2, kv_heads, head_size]``: the 
 slot ``s = block * block_size + offset`` sit in row ``s`` (this module's own layout, not the C++ kernels': a
 layer only ever reads what it wrote). ``block_table[r]`` lists request ``r``'s blocks in order.
 
-The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the registry's solver
-of the saved mapping (:mod:`hf_sparsemax.mappings.registry`: the one implementation that training, losses and
-decoding use; for the threshold mappings, sparsemax, entmax15 and entmax_bisect, its compiled row kernel from
-:data:`MIN_SCORES` scores, as transformers' decoding path runs it, :mod:`hf_sparsemax.attention.decode`);
-masked keys get weight exactly 0. A learned alpha is one value per query head. Under a half-precision model
+The weights of one head are ``p = mapping(q k^T * scale + mask)`` over the keys, with the exact threshold of the
+saved mapping (the fused kernel's or the blocked attention's, as transformers runs them; elsewhere the registry's
+solver, :mod:`hf_sparsemax.mappings.registry`, its compiled row kernel from :data:`MIN_SCORES` scores); masked
+keys get weight exactly 0. A learned alpha is one value per query head. Under a half-precision model
 (bfloat16, float16) the cache stays in the model's dtype and the rows a layer reads are cast to float32 (exact), so
 the scores, the masks, the weights and ``P V`` are float32 computations and only the output is rounded to the
 model's dtype, as transformers' path computes a half model's sparse attention
@@ -23,10 +22,16 @@ model's dtype, as transformers' path computes a half model's sparse attention
 
 One step, many layers. Everything that depends on the step's layout only (which requests decode, the cache rows
 of each request's keys, the masks) is a :class:`StepPlan`, built once a step (:func:`step_plan`; vLLM's
-backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer then
-gathers its keys and values with one index, and runs the decode steps (one new token a request) as one padded
-batched call; the other requests one at a time, their queries in blocks whose scores stay within
-:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. No layer reads a tensor's value on the host.
+backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer runs
+the decode steps (one new token a request) as one padded batched call of the fused CPU kernel
+(:func:`kernel_decode`, :func:`hf_sparsemax.attention.fused.paged_decode`), which reads each request's keys and
+values in place through their slots; the other requests one at a time, on their keys and values gathered with
+one index, through transformers' blocked threshold attention (:func:`blocked_prefill`: the same scoring, masks,
+alpha per head and solver, the fused kernel's blocks included). The mappings the kernel and the blocked
+attention leave out (``sparse_softmax``, alphas solved in float64, float16 caches) are scored and solved here
+(:func:`attend`), queries in blocks whose scores stay within
+:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
+once a layer (a host read); no other value is read on the host.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...attention.blocks import HALF, block_queries
+from ...attention.blocks import HALF, block_queries, threshold_attention
+from ...attention.fused import paged_decode
 from ...attention.interface import AttentionOptions
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
@@ -108,6 +114,16 @@ class SparseAttention:
         else:  # the compiled row kernel from MIN_SCORES scores, else the eager exact solver (as decoding does)
             p, _ = compiled.weights(rows, masked, alpha, entry.threshold, minimum=MIN_SCORES)
         return p.to(scores.dtype).view(scores.shape)
+
+    def kernel_alpha(self, kv_heads: int, groups: int) -> float | torch.Tensor | None:
+        """The alpha the fused kernel solves this attention's rows with (a float, or ``[1, Hkv, G, 1, 1]``
+        learned), or None where it does not (a mapping without a threshold, alphas solved in float64)."""
+        entry = registry.REGISTRY[self.mapping]
+        if entry.threshold is None or self.float64:
+            return None
+        if self.alpha is not None:
+            return self.alpha.view(1, kv_heads, groups, 1, 1)
+        return float(entry.fenchel_young_alpha(self.options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +208,7 @@ class DecodePlan(NamedTuple):
 
     tokens: slice | torch.Tensor  # their query rows (a slice when they are consecutive)
     index: torch.Tensor  # their keys and values in the cache (:func:`gather_index`; padding: a request's first key)
+    slots: torch.Tensor  # [requests, keys] long: the cache rows of their keys, read in place by the fused kernel
     mask: torch.Tensor | None  # [requests, 1, 1, 1, keys] additive: finfo.min on the padding (None: no padding)
     requests: int
     keys: int
@@ -263,9 +280,9 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
             hidden = torch.arange(keys, device=device) >= decode_lengths[:, None]  # [requests, keys]
             mask = torch.zeros(hidden.shape, dtype=work, device=device).masked_fill_(hidden, masked_below(work))
             mask = mask[:, None, None, None]
+        slots = key_slots(table[index], decode_lengths, block_size, keys)
         decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
-                            gather_index(key_slots(table[index], decode_lengths, block_size, keys), kv_heads), mask,
-                            len(decoding), keys)
+                            gather_index(slots, kv_heads), slots, mask, len(decoding), keys)
     prefills, entries = [], sum(count * lengths[request] for request, count in enumerate(new) if count > 1)
     for request in (request for request, count in enumerate(new) if count > 1):
         length, count = lengths[request], new[request]
@@ -323,6 +340,46 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     return out.view(batch, kv_heads * groups, rows, dim)
 
 
+def kernel_decode(rows: torch.Tensor, kv_cache: torch.Tensor, decode: DecodePlan, scale: float,
+                  attention: SparseAttention) -> torch.Tensor | None:
+    """Output ``[R, H, 1, D]`` (float32) of the decode requests' ``rows [R, Hkv, G, 1, D]`` by the fused kernel
+    (:func:`hf_sparsemax.attention.fused.paged_decode`: the cache read in place through the requests' slots, no
+    gather; the exact threshold on each row's candidates, ``P V`` over the support), or None where it does not
+    serve the call (then :func:`attend` on gathered rows)."""
+    batch, kv_heads, groups, _, dim = rows.shape
+    alpha = attention.kernel_alpha(kv_heads, groups)
+    if alpha is None or rows.dtype not in (torch.float32, *HALF):
+        return None
+    cache = cache_rows(kv_cache)
+    out = paged_decode(rows.float(), cache[:, 0], cache[:, 1], decode.slots, decode.mask, alpha, scale)
+    return None if out is None else out.view(batch, kv_heads * groups, 1, -1)
+
+
+def blocked_prefill(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale: float,
+                    attention: SparseAttention) -> torch.Tensor | None:
+    """Output ``[m, H, D]`` of a request's ``m`` new query rows ``rows [m, H, D]`` over its ``length`` keys
+    (``keys`` / ``values [1, Hkv, length, D]``, the last ``m`` new: query ``i`` sees ``j <= length - m + i``) by
+    transformers' blocked threshold attention without autograd (:func:`.blocks.threshold_attention`: the same
+    scoring, masks, alpha per head and solver as a model's prefill, the fused kernel's blocks included), or None
+    where it does not apply (the mappings :meth:`SparseAttention.kernel_alpha` leaves out: then :func:`attend`)."""
+    count, heads, _ = rows.shape
+    if attention.kernel_alpha(keys.shape[1], heads // keys.shape[1]) is None or rows.dtype not in (
+            torch.float32, *HALF):
+        return None
+    entry = registry.REGISTRY[attention.mapping]
+    query = rows.transpose(0, 1)[None]  # [1, H, m, D]
+    mask = None  # a whole prompt: the plain causal mask, built per block
+    if length != count:  # a chunk, or a prompt whose prefix was cached: its own rows' causal mask
+        mask = causal_mask(0, count, length, count, work_dtype(rows.dtype), rows.device)[0]
+    alpha = None if attention.alpha is None else attention.alpha.to(rows.device).view(1, heads, 1, 1)
+    with torch.no_grad():
+        out = threshold_attention(query, keys, values, mask, causal=mask is None, alpha=alpha,
+                                  fixed_alpha=entry.fenchel_young_alpha(attention.options), scaling=scale,
+                                  threshold=entry.threshold, block=block_queries(1, heads, count, length),
+                                  reference=None)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
                     attention: SparseAttention, output: torch.Tensor | None = None,
                     plan: StepPlan | None = None) -> torch.Tensor:
@@ -339,13 +396,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     groups = heads // kv_heads
     if plan.decode is not None:  # one padded batch: a row for each request
         decode = plan.decode
-        keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
         rows = query[decode.tokens].view(decode.requests, kv_heads, groups, 1, dim)
-        found = attend(rows, keys, values, decode.mask, scale, attention)
+        found = kernel_decode(rows, kv_cache, decode, scale, attention)
+        if found is None:  # the general path: the keys and values gathered, the registry's solver
+            keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
+            found = attend(rows, keys, values, decode.mask, scale, attention)
         out[decode.tokens] = found.view(decode.requests, heads, dim).to(out.dtype)
     for request in plan.prefills:
         keys, values = gather(kv_cache, request.index, 1, request.length)
         count = request.stop - request.start
+        found = blocked_prefill(query[request.start : request.stop], keys, values, request.length, scale, attention)
+        if found is not None:  # transformers' blocked attention (and its fused kernel's blocks)
+            out[request.start : request.stop] = found.to(out.dtype)
+            continue
         for block in request.blocks:
             mask = block.mask if block.mask is not None else causal_mask(
                 block.first, block.stop, request.length, count, work_dtype(query.dtype), query.device)
