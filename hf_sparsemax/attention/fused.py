@@ -163,6 +163,15 @@ def new_output(*shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device="cpu")
 
 
+def served(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           keys: int) -> bool:
+    """Whether the decoding kernel reads these operands: float32 queries on the CPU, float32 or bfloat16 keys and
+    values (channels contiguous), a float32 mask or none, some query and ``keys`` > 0, the kernel built."""
+    return (query.dtype == torch.float32 and query.device.type == "cpu" and key.dtype in KEY_DTYPES
+            and value.dtype == key.dtype and key.stride(-1) == 1 and value.stride(-1) == 1
+            and (mask is None or mask.dtype == torch.float32) and query.numel() > 0 and keys > 0 and available())
+
+
 def mask_strides(mask: torch.Tensor | None, shape: tuple[int, ...], device) -> tuple[torch.Tensor | None, tuple]:
     """``(mask, strides)``: an additive mask broadcast to ``shape`` (``[B, Hkv, G, q, keys]``) and its strides in
     elements (all 0 where ``mask`` is None); a mask that does not broadcast is a ValueError."""
@@ -186,10 +195,7 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     exclude (the same output, bit for bit; ``codes.certified`` gets each task's count). A failed call leaves
     ``codes.coded`` at 0 (rebuilt on the next call)."""
     query, key, value, mask = problem.query, problem.key, problem.value, problem.mask
-    if (query.dtype != torch.float32 or query.device.type != "cpu" or key.dtype not in KEY_DTYPES
-            or value.dtype != key.dtype or key.stride(-1) != 1 or value.stride(-1) != 1
-            or (mask is not None and mask.dtype != torch.float32) or query.numel() == 0 or key.numel() == 0
-            or not available()):
+    if not served(query, key, value, mask, key.numel()):
         return None
     batch, kv_heads, groups, rows, dim = query.shape
     keys, device = key.shape[-2], query.device
@@ -234,10 +240,7 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     (``[slots, Hkv, D]`` views of the engine's cache, float32 or bfloat16); ``mask`` additive, broadcastable to
     ``[B, Hkv, G, q, keys]``, or None; ``alpha`` a float in (1, 2] or ``[1, Hkv, G, 1, 1]``. None where the kernel
     does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read)."""
-    if (query.dtype != torch.float32 or query.device.type != "cpu" or key_rows.dtype not in KEY_DTYPES
-            or value_rows.dtype != key_rows.dtype or key_rows.stride(-1) != 1 or value_rows.stride(-1) != 1
-            or (mask is not None and mask.dtype != torch.float32) or query.numel() == 0 or slots.numel() == 0
-            or not available()):
+    if not served(query, key_rows, value_rows, mask, slots.numel()):
         return None
     batch, kv_heads, groups, rows, dim = query.shape
     keys, device = slots.shape[-1], query.device
