@@ -106,7 +106,7 @@ def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
     q_all, k, v = inputs(2, 1, 120, seed=5)
     cache, keys, values = cached(k[:, :, :70], v[:, :, :70])
     g = torch.Generator().manual_seed(6)
-    position, cropped, summaries = 70, False, set()
+    position, cropped, summaries = 70, False, []  # the summaries themselves (kept alive: ids can be reused)
     while position < 120:
         q = torch.randn(2, H, 1, D, generator=g) * 2
         module.layer_idx = 0
@@ -116,7 +116,8 @@ def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
             out = sparse_attention_forward(module, q, keys, values, None, scaling=SCALING, mapping=attn)[0]
         assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
         summary = getattr(cache.layers[0], pages.SUMMARY_ATTR)
-        summaries.add(id(summary))
+        if not any(seen is summary for seen in summaries):
+            summaries.append(summary)
         codes = summary.codes
         fresh = keycodes.KeyCodes(keys)
         fresh.reserve(keys.shape[-2], keys.shape[-2])
