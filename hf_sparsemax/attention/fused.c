@@ -268,49 +268,61 @@ static inline int64_t code_at(int64_t slot, int64_t d, int64_t dim) {
 #define MULTIPLY_ADD(acc, k, q) _mm512_add_epi32(acc, _mm512_madd_epi16(k, q))
 #endif
 
-/* out[l] = sum_d e_d c_{l, d}, exact in int32, for the CODE_BLOCK keys of a block (dim even): AVX-512 (with
-   VNNI's vpdpwssd where the build machine has it), AVX2, or plain C, chosen at build time (-march=native). */
-static void block_products(const int16_t *e, const int8_t *block, int64_t dim, int32_t *out) {
+/* out[i * CODE_BLOCK + l] = sum_d e_id c_{l, d}, exact in int32, for the `rows` query rows e (rows x dim int16)
+   against the CODE_BLOCK keys of a block (dim even): AVX-512 (with VNNI's vpdpwssd where the build machine has
+   it), AVX2, or plain C, chosen at build time (-march=native). The rows go four at a time, so that each channel
+   pair of the block is loaded and widened once for four rows (a missing fourth row repeats the last one and is
+   not stored): four independent sums hide the multiply-add's latency. */
+#define PRODUCT_ROWS 4
+static void block_products(const int16_t *e, int64_t rows, const int8_t *block, int64_t dim, int32_t *out) {
+    for (int64_t first = 0; first < rows; first += PRODUCT_ROWS) {
+        const int16_t *r[PRODUCT_ROWS];
+        for (int64_t i = 0; i < PRODUCT_ROWS; i++) r[i] = e + (first + i < rows ? first + i : rows - 1) * dim;
+        int64_t stored = rows - first < PRODUCT_ROWS ? rows - first : PRODUCT_ROWS;
 #if defined(__AVX512BW__)
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: half the latency */
-    int64_t d2 = 0;
-    for (; d2 + 1 < dim / 2; d2 += 2) {
-        int32_t pairs[2];
-        memcpy(pairs, e + 2 * d2, sizeof pairs);
-        __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
-        __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * (d2 + 1))));
-        even = MULTIPLY_ADD(even, k0, _mm512_set1_epi32(pairs[0]));
-        odd = MULTIPLY_ADD(odd, k1, _mm512_set1_epi32(pairs[1]));
-    }
-    if (d2 < dim / 2) {
-        int32_t pair;
-        memcpy(&pair, e + 2 * d2, sizeof pair);
-        __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
-        even = MULTIPLY_ADD(even, k, _mm512_set1_epi32(pair));
-    }
-    _mm512_storeu_si512((void *)out, _mm512_add_epi32(even, odd));
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+            __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+            int32_t pair[PRODUCT_ROWS];
+            for (int64_t i = 0; i < PRODUCT_ROWS; i++) memcpy(pair + i, r[i] + 2 * d2, sizeof(int32_t));
+            acc0 = MULTIPLY_ADD(acc0, k, _mm512_set1_epi32(pair[0]));
+            acc1 = MULTIPLY_ADD(acc1, k, _mm512_set1_epi32(pair[1]));
+            acc2 = MULTIPLY_ADD(acc2, k, _mm512_set1_epi32(pair[2]));
+            acc3 = MULTIPLY_ADD(acc3, k, _mm512_set1_epi32(pair[3]));
+        }
+        __m512i sums[PRODUCT_ROWS] = {acc0, acc1, acc2, acc3};
+        for (int64_t i = 0; i < stored; i++) _mm512_storeu_si512((void *)(out + (first + i) * CODE_BLOCK), sums[i]);
 #elif defined(__AVX2__)
-    __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
-        int32_t pair;
-        memcpy(&pair, e + 2 * d2, sizeof pair);
-        __m256i q = _mm256_set1_epi32(pair);
-        const int8_t *at = block + 2 * CODE_BLOCK * d2;
-        __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
-        __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
-        low = _mm256_add_epi32(low, _mm256_madd_epi16(k0, q));
-        high = _mm256_add_epi32(high, _mm256_madd_epi16(k1, q));
-    }
-    _mm256_storeu_si256((__m256i *)out, low);
-    _mm256_storeu_si256((__m256i *)(out + 8), high);
+        __m256i low[PRODUCT_ROWS], high[PRODUCT_ROWS];
+        for (int64_t i = 0; i < PRODUCT_ROWS; i++) low[i] = high[i] = _mm256_setzero_si256();
+        for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+            const int8_t *at = block + 2 * CODE_BLOCK * d2;
+            __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+            __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
+            for (int64_t i = 0; i < PRODUCT_ROWS; i++) {
+                int32_t pair;
+                memcpy(&pair, r[i] + 2 * d2, sizeof pair);
+                __m256i q = _mm256_set1_epi32(pair);
+                low[i] = _mm256_add_epi32(low[i], _mm256_madd_epi16(k0, q));
+                high[i] = _mm256_add_epi32(high[i], _mm256_madd_epi16(k1, q));
+            }
+        }
+        for (int64_t i = 0; i < stored; i++) {
+            _mm256_storeu_si256((__m256i *)(out + (first + i) * CODE_BLOCK), low[i]);
+            _mm256_storeu_si256((__m256i *)(out + (first + i) * CODE_BLOCK + 8), high[i]);
+        }
 #else
-    for (int64_t l = 0; l < CODE_BLOCK; l++) out[l] = 0;
-    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
-        const int8_t *at = block + 2 * CODE_BLOCK * d2;
-        for (int64_t l = 0; l < CODE_BLOCK; l++)
-            out[l] += (int32_t)e[2 * d2] * at[2 * l] + (int32_t)e[2 * d2 + 1] * at[2 * l + 1];
-    }
+        for (int64_t i = 0; i < stored; i++) {
+            int32_t *o = out + (first + i) * CODE_BLOCK;
+            for (int64_t l = 0; l < CODE_BLOCK; l++) o[l] = 0;
+            for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+                const int8_t *at = block + 2 * CODE_BLOCK * d2;
+                for (int64_t l = 0; l < CODE_BLOCK; l++)
+                    o[l] += (int32_t)r[i][2 * d2] * at[2 * l] + (int32_t)r[i][2 * d2 + 1] * at[2 * l + 1];
+            }
+        }
 #endif
+    }
 }
 
 /* Write the int8 codes and scales of the keys [p->coded, p->length) of task (b, h) and bring its rho, kappa
@@ -364,8 +376,9 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     int16_t *e = malloc(sizeof(int16_t) * rows * dim);
     float *spec = malloc(sizeof(float) * rows * 3);         /* per row: scaling s_q, A_q, the cut on t + E */
     float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* per row and lane: the largest t - E */
-    if (!e || !spec || !lows) {
-        free(e), free(spec), free(lows);
+    int32_t *products = malloc(sizeof(int32_t) * rows * CODE_BLOCK); /* a block's integer products, row by row */
+    if (!e || !spec || !lows || !products) {
+        free(e), free(spec), free(lows), free(products);
         return -1;
     }
     double rho = p->code_bounds[2 * task], kappa = p->code_bounds[2 * task + 1], u = UNIT_ROUNDOFF;
@@ -375,7 +388,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
         float scale = top / 32767.0f;
         if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
-            free(e), free(spec), free(lows);
+            free(e), free(spec), free(lows), free(products);
             return -1;
         }
         double norm = 0.0, residual = 0.0;
@@ -395,22 +408,22 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
     float error = (float)p->code_error * (1.0f + (float)BOUND_SLACK); /* code_error is 1 (0 only in a test: no bound) */
-    int32_t products[CODE_BLOCK];
     float scale_k[CODE_BLOCK], m[CODE_BLOCK];
     /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
     for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
         int64_t base = b * p->c_b + h * p->c_h + start, count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
         const int8_t *block = start < p->length ? p->codes + base * dim : NULL; /* beyond: no codes (not read) */
         for (int64_t l = 0; l < CODE_BLOCK; l++) scale_k[l] = start + l < p->length ? p->code_scales[base + l] : NAN;
+        if (block) block_products(e, rows, block, dim, products);
+        else memset(products, 0, sizeof(int32_t) * rows * CODE_BLOCK);
         for (int64_t i = 0; i < rows; i++) {
-            if (block) block_products(e + i * dim, block, dim, products);
-            else memset(products, 0, sizeof products);
+            const int32_t *product = products + i * CODE_BLOCK;
             for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
             float sc = spec[3 * i], bound = spec[3 * i + 1];
             float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
-                float t = sc * scale_k[l] * (float)products[l] + m[l];
+                float t = sc * scale_k[l] * (float)product[l] + m[l];
                 float err = (scale_k[l] * bound + (float)SUM_SLACK * (fabsf(t) + fabsf(m[l]))) * error;
                 float lo = t - err, hi = t + err, old = low[l];
                 int masked = m[l] <= level;
@@ -453,7 +466,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < found; k++) compact[i * found + k] = scores[i * keys + kept[k]];
     *n = found;
-    free(e), free(spec), free(lows);
+    free(e), free(spec), free(lows), free(products);
     return certified;
 }
 
