@@ -132,9 +132,11 @@ def available() -> bool:
 
 def within_storage(tensor: torch.Tensor) -> bool:
     """Whether every element the sizes and strides reach lies inside the tensor's storage (no negative stride)."""
-    if any(stride < 0 for stride in tensor.stride()):
-        return False
-    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    last = tensor.storage_offset()
+    for size, stride in zip(tensor.shape, tensor.stride()):  # a plain loop: this runs on every decoding call
+        if stride < 0:
+            return False
+        last += (size - 1) * stride
     return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
 
 
@@ -144,7 +146,11 @@ def checked(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], devi
     kernel merely does not serve)."""
     if tensor.device != device:
         raise ValueError(f"fused attention kernel: {name} is on {tensor.device}, the query on {device}")
-    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+    sizes = tensor.shape
+    fits = len(sizes) == len(shape)
+    for got, want in zip(sizes, shape):  # a plain loop: this runs several times on every decoding call
+        fits = fits and (want is None or got == want)
+    if not fits:
         wanted = ", ".join("*" if want is None else str(want) for want in shape)
         raise ValueError(f"fused attention kernel: {name} has shape {tuple(tensor.shape)}, expected [{wanted}]")
     if not within_storage(tensor):
