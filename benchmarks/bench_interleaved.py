@@ -11,7 +11,12 @@ for several):
   (``full``, ``HF_SPARSEMAX_KV_SKIP=0``); the share of keys the certificate never read is printed, and from 8192
   tokens the verdict against issue 47's targets (sparsemax <= 0.6x sdpa, entmax15 <= 0.7x). ``--sdpa-cache``:
   the sparse model decodes from sdpa's prefilled cache (one prefill, not two: for long contexts on a slow
-  machine; the keys are then those of the softmax model it was trained as);
+  machine; the keys are then those of the softmax model it was trained as); ``--cache static``: a
+  ``StaticCache`` (no copy of the cache per step: sdpa then reads its unfilled slots too, masked, as
+  ``generate(cache_implementation="static")`` does); ``--rope-factor F``: both models with their rotary
+  positions interpolated F times (linear scaling, ``max_position_embeddings`` 8192 F), for contexts past the
+  8192 positions SmolLM2 was trained on (the positions then stay inside the trained range; without it the
+  rotary angles past 8192 were never seen in training);
 - ``prefill``: one forward over ``--context`` tokens under ``torch.no_grad()``, for sdpa, the sparse attention
   (``fused``: the default path) and the sparse attention without the fused kernel's blocks (``blocked``).
 
@@ -49,20 +54,28 @@ def main() -> None:
     parser.add_argument("--options", default="{}", help="attn_options as JSON")
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--sdpa-cache", action="store_true", help="decode: the sparse model starts from sdpa's cache")
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help="decode: the KV cache")
+    parser.add_argument("--rope-factor", type=float, default=None,
+                        help="linear rotary scaling of both models (contexts past 8192 tokens)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (and the fused kernel's)")
+    parser.add_argument("--prefill-threads", type=int, default=None,
+                        help="decode: torch threads for the untimed prefill (default --threads)")
     parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                         help="cpu: the process's CPU time (one thread on a shared machine); wall: elapsed time "
                              "(several threads)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
     from hf_sparsemax.attention import blocks, keycodes, pages
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
-    base, tokenizer = load_smollm2(dtype=torch.float32)
-    model, _ = load_smollm2(dtype=torch.float32)
+    extra = {}
+    if args.rope_factor:
+        extra = dict(rope_parameters={"rope_type": "linear", "factor": args.rope_factor, "rope_theta": 100000.0},
+                     max_position_embeddings=int(8192 * args.rope_factor))
+    base, tokenizer = load_smollm2(dtype=torch.float32, **extra)
+    model, _ = load_smollm2(dtype=torch.float32, **extra)
     base.eval(), model.eval()
     hs.patch_model(model, attn=args.attn, attn_options=json.loads(args.options) or None)
     ids, _ = prompt(tokenizer, args.context, 1)
@@ -72,8 +85,11 @@ def main() -> None:
     with torch.no_grad():
         state = {}
         if args.step == "decode":
+            torch.set_num_threads(args.prefill_threads or args.threads)
             for name, m in (("sdpa", base),) + ((("skip", model),) if not args.sdpa_cache else ()):
-                out = m(input_ids=ids, past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
+                cache = (StaticCache(config=m.config, max_cache_len=args.context + args.rounds + 1)
+                         if args.cache == "static" else DynamicCache(config=m.config))
+                out = m(input_ids=ids, past_key_values=cache, logits_to_keep=1)
                 state[name] = [out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)]
             if args.sdpa_cache:
                 state["skip"] = [copy.deepcopy(state["sdpa"][0]), state["sdpa"][1]]
@@ -82,6 +98,7 @@ def main() -> None:
         else:
             for m in (base, model):  # compiles the kernels before anything is timed
                 m(input_ids=ids[:, :256], past_key_values=DynamicCache(config=m.config), logits_to_keep=1)
+        torch.set_num_threads(args.threads)
         for round_ in range(args.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 m = base if name == "sdpa" else model
@@ -97,7 +114,9 @@ def main() -> None:
                 times[name].append(clock() - start)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"{args.step} at {args.context} tokens, {args.attn} {args.options}, {args.rounds} rounds in one process, "
-          f"{'CPU' if args.clock == 'cpu' else 'wall'} time, {args.threads} thread(s): "
+          f"{'CPU' if args.clock == 'cpu' else 'wall'} time, {args.threads} thread(s)"
+          + (f", {args.cache} cache" if args.step == "decode" else "")
+          + (f", rope x{args.rope_factor:g}" if args.rope_factor else "") + ": "
           + ", ".join(f"{n} {median[n]:.1f} ms" for n in names) + "; "
           + ", ".join(f"{n}/sdpa {median[n] / median['sdpa']:.2f}x" for n in names[1:]))
     if args.step == "decode":
