@@ -55,11 +55,12 @@ def reference(module, attn, q, k, v):
 class FakeEngine:
     """A paged cache with shuffled blocks, and the steps of several requests (each a sequence of q, k, v rows)."""
 
-    def __init__(self, sequences, blocks=64, seed=0):
-        self.cache = torch.full((blocks, KV_HEADS, BLOCK, 2 * DIM), float("nan"))  # unwritten slots poison the output
+    def __init__(self, sequences, blocks=64, seed=0, block=BLOCK):
+        self.cache = torch.full((blocks, KV_HEADS, block, 2 * DIM), float("nan"))  # unwritten slots poison the output
+        self.block = block
         generator = torch.Generator().manual_seed(seed)
         free = torch.randperm(blocks, generator=generator).tolist()
-        self.tables = [[free.pop() for _ in range(math.ceil(len(s[0]) / BLOCK))] for s in sequences]
+        self.tables = [[free.pop() for _ in range(math.ceil(len(s[0]) / block))] for s in sequences]
         self.sequences = sequences
         self.done = [0] * len(sequences)
 
@@ -76,7 +77,7 @@ class FakeEngine:
             vs.append(v[first:first + count])
             positions = torch.arange(first, first + count)
             table = torch.tensor(self.tables[request])
-            slots.append(table[positions // BLOCK] * BLOCK + positions % BLOCK)
+            slots.append(table[positions // self.block] * self.block + positions % self.block)
             starts.append(starts[-1] + count)
             lengths.append(first + count)
             self.done[request] += count
@@ -93,13 +94,13 @@ class FakeEngine:
             query = torch.cat([scales.apply(query[:starts[-1]], batch), query[starts[-1]:]])
         if layers == 1:  # no plan given: paged_attention builds the step's own
             write_cache(self.cache, key, value, batch.slot_mapping)
-            out = paged_attention(query, self.cache, batch, SCALE, attention)
+            out = paged_attention(query, self.cache, batch, SCALE, attention, key=key, value=value)
         else:  # one plan for the step, read by every layer (each writes the same keys again)
             plan = step_plan(batch, self.cache, query)
             for _ in range(layers):
                 assert plan.serves(batch, self.cache, query)
                 write_cache(self.cache, key, value, batch.slot_mapping, plan)
-                out = paged_attention(query, self.cache, batch, SCALE, attention, plan=plan)
+                out = paged_attention(query, self.cache, batch, SCALE, attention, plan=plan, key=key, value=value)
         return {request: out[starts[i]:starts[i + 1]] for i, request in enumerate(requests)}
 
 
@@ -249,7 +250,8 @@ def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, optio
     """Decode requests of different lengths (a padded batch), rows apart: the fused kernel serves them, reading
     each request's keys and values through its slots (no gather), equal to the gathered general path's output and
     to transformers'; the prefills (a whole prompt, and chunks after it) go through transformers' blocked
-    attention (:func:`.paged_attention.blocked_prefill`) on their gathered keys."""
+    attention (:func:`.paged_attention.blocked_prefill`), a whole prompt on the step's own keys (no gather), a
+    later chunk on its keys gathered out of the cache."""
     gathered, served, prefilled, original = [], [], [], paged.kernel_decode
     monkeypatch.setattr(paged, "gather", lambda *a, gather=paged.gather: gathered.append(a[2]) or gather(*a))
     monkeypatch.setattr(paged, "kernel_decode", lambda *a: served.append(original(*a)) or served[-1])
@@ -263,7 +265,7 @@ def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, optio
     for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1}, {0: 1, 2: 3}):
         for request, rows in engine.step(steps, attention).items():
             got[request].append(rows)
-    assert gathered == [1, 1, 1, 1] and len(served) == 3 and all(found is not None for found in served)
+    assert gathered == [1] and len(served) == 3 and all(found is not None for found in served)
     assert len(prefilled) == 4 and all(found is not None for found in prefilled)
     for request, (q, k, v) in enumerate(seqs):
         expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
@@ -289,3 +291,54 @@ def test_a_slot_outside_the_cache_is_refused():
     with pytest.raises(ValueError, match="slot outside"):
         fused.paged_decode(query, rows, rows, torch.tensor([[0, 8]]), None, 1.5, SCALE)
     assert fused.paged_decode(query, rows, rows, torch.tensor([[0, 7]]), None, 1.5, SCALE) is not None
+
+
+CERTIFIED = [a for a in KERNEL_SERVED if a[1].get("alpha") != 1.3] + [("entmax_bisect", {"alpha": 1.3})]
+LONG = [1105, 1049, 1064]  # at least MIN_KEYS keys when decoding: the int8 certificate on
+LONG_STEPS = ({0: 1100, 1: 600, 2: 512}, {1: 446, 2: 548, 0: 1}, {0: 1, 1: 1, 2: 1}, {2: 1, 0: 1, 1: 1},
+              {0: 1, 1: 1, 2: 1}, {0: 1, 2: 1})  # whole prompts, chunks, then padded decode batches, rows apart
+
+
+def long_run(attention, dtype, skip, monkeypatch):
+    """Each request's output rows over LONG_STEPS (cache blocks of 16 slots), with the certificate on or off
+    (``HF_SPARSEMAX_KV_SKIP``), and the keys the certified steps never read (:data:`.keycodes.COUNTS`)."""
+    from hf_sparsemax.attention import keycodes
+
+    monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "1" if skip else "0")
+    keycodes.reset_counts()
+    seqs = [tuple(t.to(dtype) for t in s) for s in sequences(LONG, seed=5)]
+    engine = FakeEngine(seqs, blocks=224, seed=6, block=16)
+    engine.cache = engine.cache.to(dtype)
+    got = {r: [] for r in range(len(seqs))}
+    for steps in LONG_STEPS:
+        for request, rows in engine.step(steps, attention).items():
+            got[request].append(rows)
+    assert engine.done == LONG
+    assert (engine.cache in paged.SLOT_CODES) == skip
+    return seqs, {r: torch.cat(rows) for r, rows in got.items()}, dict(keycodes.COUNTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn,options", CERTIFIED, ids=[f"{a}{o}" for a, o in CERTIFIED])
+def test_the_certificate_per_slot_skips_keys_and_changes_no_bit(attn, options, dtype, monkeypatch):
+    """Decoding over a paged cache with the int8 certificate kept per slot (codes made at the first step with
+    MIN_KEYS keys, then written with every key): some keys are never read, and every output row equals, bit for
+    bit, the same steps' with the certificate off (``HF_SPARSEMAX_KV_SKIP=0``, no codes kept), which equal
+    transformers' attention of the whole sequences; grouped heads, a learned alpha per head, requests of different
+    lengths, bfloat16 caches."""
+    from hf_sparsemax.attention import fused
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    module, attention = layer_of(attn, options)
+    seqs, certified, counts = long_run(attention, dtype, True, monkeypatch)
+    _, full, off = long_run(attention, dtype, False, monkeypatch)
+    assert counts["calls"] > 0 and 0 < counts["certified"] < counts["keys"] and off["calls"] == 0
+    for request, (q, k, v) in enumerate(seqs):
+        assert torch.equal(certified[request], full[request])
+        if options.get("learn_alpha"):  # transformers' learned alphas at 1000 keys: seconds (the short tests check)
+            continue
+        expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
+        tolerance = dict(rtol=1e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(certified[request].float(), expected.float(),  # float32 sums of ~1000 rows
+                                   **tolerance)
