@@ -54,7 +54,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...attention.blocks import HALF, block_queries, threshold_attention
-from ...attention.fused import paged_decode
+from ...attention.fused import KEY_DTYPES, paged_decode
 from ...attention.interface import AttentionOptions
 from ...attention.keycodes import BLOCK, KeyCodes, SlotCodes, take_turn, tally
 from ...attention.pages import MIN_KEYS
@@ -350,7 +350,7 @@ def slot_codes(kv_cache: torch.Tensor, decode: DecodePlan, block_size: int) -> S
     codes = SLOT_CODES.get(kv_cache)
     if codes is None:
         keys = cache_rows(kv_cache)[:, 0]
-        if keys.dtype not in (torch.float32, torch.bfloat16) or not KeyCodes.serves(keys):
+        if keys.dtype not in KEY_DTYPES or not KeyCodes.serves(keys):
             return None
         codes = SLOT_CODES[kv_cache] = SlotCodes(keys)
     return codes if codes.written else None
