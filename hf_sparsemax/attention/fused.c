@@ -425,9 +425,9 @@ static const int8_t *code_block(const hf_sparsemax_params *p, int64_t b, int64_t
 /* The certified scores of task (b, h): the keys not certified, ascending, in kept[0..*n), and their exact scores
    (as score_keys writes them) in compact[i * *n + k] for every query row i; the keys certified are never read.
    Returns the number of keys with codes (code_block) certified, or -1 where a query row is not finite or memory
-   could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are computed in
-   float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of codes
-   branch-free so that the compiler vectorises them. */
+   could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are
+   computed in float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of
+   codes branch-free so that the compiler vectorises them. */
 static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
                                 const float *const *mask_rows, float *row, float *scores, int64_t *kept,
                                 float *compact, int64_t *n) {
