@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -353,6 +354,9 @@ def slot_codes(kv_cache: torch.Tensor, decode: DecodePlan, block_size: int) -> S
         if keys.dtype not in KEY_DTYPES or not KeyCodes.serves(keys):
             return None
         codes = SLOT_CODES[kv_cache] = SlotCodes(keys)
+        logging.getLogger(__name__).info("hf_sparsemax: the int8 key certificate of a %d-slot paged cache: %.1f MiB "
+                                         "(all such caches: %.1f MiB)", keys.shape[0], codes.nbytes() / 2 ** 20,
+                                         certificate_bytes() / 2 ** 20)
     return codes if codes.written else None
 
 
