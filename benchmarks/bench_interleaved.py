@@ -17,7 +17,9 @@ for several):
   ``generate(cache_implementation="static")`` does); ``--rope-factor F``: both models with their rotary
   positions interpolated F times (linear scaling, ``max_position_embeddings`` 8192 F), for contexts past the
   8192 positions SmolLM2 was trained on (the positions then stay inside the trained range; without it the
-  rotary angles past 8192 were never seen in training);
+  rotary angles past 8192 were never seen in training); ``--floor``: also the model with an attention that
+  costs nothing (it returns zeros; the cache is still updated): its time over sdpa's is the floor of every
+  ratio, the share of a step that is not attention;
 
     PYTHONPATH=. python benchmarks/bench_interleaved.py decode --context 32768 --rope-factor 4 --sdpa-cache \
         --attn sparsemax entmax15 --no-full --prefill-threads 2 --rounds 6
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--sdpa-cache", action="store_true", help="decode: the sparse model starts from sdpa's cache")
     parser.add_argument("--no-full", action="store_true", help="decode: leave out the step without the certificate")
+    parser.add_argument("--floor", action="store_true",
+                        help="decode: also a model whose attention costs nothing (zeros): the floor of any ratio")
     parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help="decode: the KV cache")
     parser.add_argument("--rope-factor", type=float, default=None,
                         help="linear rotary scaling of both models (contexts past 8192 tokens)")
@@ -92,6 +96,15 @@ def main() -> None:
     fused_rows = blocks.block_rows
     if args.step == "decode":  # name -> (model, the certificate on)
         contenders = {"sdpa": (base, True)}
+        if args.floor:  # the same step with an attention of no cost: what is left of sdpa's is the rest of the model
+            from transformers import AttentionInterface
+
+            AttentionInterface.register("no_attention", lambda module, query, *args, **kwargs: (
+                query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None))
+            floor, _ = load_smollm2(dtype=torch.float32, **extra)
+            floor.eval()
+            floor.set_attn_implementation("no_attention")
+            contenders["no attention"] = (floor, True)
         for attn, m in models.items():
             contenders[attn] = (m, True)
             if not args.no_full:
@@ -114,7 +127,8 @@ def main() -> None:
                     state[name] = [out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)]
             for name in names:  # the others start from a copy of sdpa's cache or of their own model's
                 if name not in state:
-                    source = state["sdpa" if args.sdpa_cache else name.split()[0]]
+                    own = name.split()[0]  # "<attn> full": its model's cache; "no attention": sdpa's
+                    source = state["sdpa" if args.sdpa_cache or own not in models else own]
                     state[name] = [copy.deepcopy(source[0]), source[1]]
         else:
             for m in (base, models[args.attn[0]]):  # compiles the kernels before anything is timed
