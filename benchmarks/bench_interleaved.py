@@ -13,7 +13,8 @@ for several):
   the sparse model decodes from sdpa's prefilled cache (one prefill, not two: for long contexts on a slow
   machine; the keys are then those of the softmax model it was trained as);
 - ``prefill``: one forward over ``--context`` tokens under ``torch.no_grad()``, for sdpa, the sparse attention
-  (``fused``: the default path) and the sparse attention without the fused kernel's blocks (``blocked``).
+  (``fused``: the default path) and the sparse attention without the fused kernel's blocks (``blocked``); at 2048
+  tokens the verdict for entmax_bisect (a fixed alpha or ``learn_alpha``) against issue 47's target (<= 1.3x sdpa).
 
 The median over ``--rounds`` rounds, and the ratios to sdpa:
 
@@ -39,6 +40,7 @@ import torch
 from bench_inference import prompt
 
 TARGETS = {"sparsemax": 0.6, "entmax15": 0.7}  # issue 47: decoding per token at 8192 tokens, ratio to sdpa
+PREFILL_TARGETS = {"entmax_bisect": 1.3}  # issue 47: prefill at 2048 tokens (a fixed or learned alpha), to sdpa
 
 
 def main() -> None:
@@ -100,6 +102,11 @@ def main() -> None:
           f"{'CPU' if args.clock == 'cpu' else 'wall'} time, {args.threads} thread(s): "
           + ", ".join(f"{n} {median[n]:.1f} ms" for n in names) + "; "
           + ", ".join(f"{n}/sdpa {median[n] / median['sdpa']:.2f}x" for n in names[1:]))
+    if args.step == "prefill":
+        target = PREFILL_TARGETS.get(args.attn) if args.context == 2048 else None
+        if target is not None:
+            ratio = median["fused"] / median["sdpa"]
+            print(f"fused/sdpa {ratio:.2f}x: {'met' if ratio <= target else 'MISSED'} (target <= {target}x)")
     if args.step == "decode":
         target = TARGETS.get(args.attn) if args.context >= 8192 and args.options == "{}" else None
         ratio = median["skip"] / median["sdpa"]

@@ -183,8 +183,9 @@ static void support_weights(const candidate *c, int64_t count, double tau, doubl
    [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
    p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm.
    Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to every later sum: once a pass finds
-   h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept ones keep their order). From tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with many
-   candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
+   h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept ones keep their order). From
+   tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with many candidates (alpha near
+   1, flat rows) costs about two passes over them, not one per step. */
 static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
     int64_t n = *count;
