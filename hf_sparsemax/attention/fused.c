@@ -74,7 +74,7 @@ static double closed_form(const candidate *c, int64_t n, double alpha) {
     return tau;
 }
 
-/* u ** e for finite u >= DBL_MIN and e >= 0 with u ** e <= 2^1000 (the solver's u = z - tau lie in (0, 2)), as
+/* u ** e for finite u >= DBL_MIN and e >= -1 with u ** e <= 2^1000 (the solver's u = z - tau lie in (0, 2)), as
    2^(e log2 u) in double arithmetic alone, so that a loop of them vectorises (libm's pow is a call per element):
 
        u = 2^k m, m in [sqrt(1/2), sqrt(2)),   ln m = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...),  s = (m - 1)/(m + 1),
@@ -137,27 +137,31 @@ static inline double power(double u, double e) {
     return n < -1022.0 ? 0.0 : t * scale;
 }
 
-/* sum_k relu(z_k - tau) ** beta and its slope sum_k relu(z_k - tau) ** (beta - 1) over c[0..n), beta = 1 / (alpha
-   - 1) >= 1 (no pow for beta 1 and 2), in a loop that vectorises. */
-static void power_sums(const candidate *c, int64_t n, double tau, double beta, double *total, double *slope) {
-    double sum = 0.0, derivative = 0.0, e = beta - 1.0;
+/* Over c[0..n), u_k = relu(z_k - tau): the sums F = sum u ** beta, S1 = sum u ** (beta - 1) and
+   S2 = sum_{u > 0} u ** (beta - 2), beta = 1 / (alpha - 1) >= 1 (no pow for beta 1 and 2), in a loop that
+   vectorises. */
+static void power_sums(const candidate *c, int64_t n, double tau, double beta, double *sums) {
+    double f = 0.0, s1 = 0.0, s2 = 0.0, e = beta - 2.0;
     if (beta == 1.0 || beta == 2.0) {
-#pragma omp simd reduction(+ : sum, derivative)
+#pragma omp simd reduction(+ : f, s1, s2)
         for (int64_t k = 0; k < n; k++) {
-            double u = c[k].z - tau, w = u > 0.0 ? (beta == 1.0 ? 1.0 : u) : 0.0;
-            sum += w * u;
-            derivative += w;
+            double u = c[k].z - tau, w = u > 0.0 ? (beta == 1.0 ? 1.0 : u) : 0.0; /* S2: beta 2 only */
+            f += w * u;
+            s1 += w;
+            s2 += u > 0.0 && beta == 2.0;
         }
     } else {
-#pragma omp simd reduction(+ : sum, derivative)
+#pragma omp simd reduction(+ : f, s1, s2)
         for (int64_t k = 0; k < n; k++) {
-            double u = c[k].z - tau, w = u > 0.0 ? power(u > 0.0 ? u : 1.0, e) : 0.0;
-            sum += w * u;
-            derivative += w;
+            double u = c[k].z - tau, v = u > 0.0 ? power(u > 0.0 ? u : 1.0, e) : 0.0, w = v * u;
+            f += w * u;
+            s1 += w;
+            s2 += v;
         }
     }
-    *total = sum;
-    *slope = derivative;
+    sums[0] = f;
+    sums[1] = s1;
+    sums[2] = s2;
 }
 
 /* The weights relu(z_k - tau) ** (e + 1) of c[0..count), e = 1 / (alpha - 1) - 1 (no pow for alpha 2 and 1.5),
@@ -178,20 +182,24 @@ static void support_weights(const candidate *c, int64_t count, double tau, doubl
     }
 }
 
-/* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
-   h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
-   [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
-   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm.
-   Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to every later sum: once a pass finds
-   h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept ones keep their order). From
-   tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with many candidates (alpha near
-   1, flat rows) costs about two passes over them, not one per step. */
+/* tau of candidates in any order, any alpha in (1, 2]: Halley's method (Newton's where its correction is large) on
+   the convex, decreasing h(tau) = F ** (alpha - 1) - 1, F = sum relu(z - tau) ** beta, from tau = -1 (h >= 0
+   there), inside the bracket [lo, hi] (a bisection step where a step leaves it), until a step moves tau by at
+   most p->tolerance, at most p->max_iter steps (the eager solver's rule and cap). With S1, S2 of power_sums,
+   h' = -F ** (alpha - 2) S1 and h'' = (beta - 1) F ** (alpha - 3) (F S2 - S1^2) >= 0 (Cauchy-Schwarz), so
+   Halley's step is Newton's, h F ** (2 - alpha) / S1 = h (F / norm) / S1, divided by 1 - b with
+   b = h h'' / (2 h'^2) = h (beta - 1) (F S2 / S1^2 - 1) / (2 norm): used where |b| < 1/2. For sparsemax (beta = 1,
+   b = 0) this is Michelot's algorithm. Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to
+   every later sum: once a pass finds h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept
+   ones keep their order). The iterates rise to the root from tau = -1, so most passes drop keys: a row with many
+   candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
 static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
     int64_t n = *count;
     for (int64_t it = 0; it < p->max_iter; it++) {
-        double total, slope;
-        power_sums(c, n, tau, beta, &total, &slope);
+        double sums[3];
+        power_sums(c, n, tau, beta, sums);
+        double total = sums[0], slope = sums[1];
         double norm = alpha == 2.0 ? total : alpha == 1.5 ? sqrt(total) : pow(total, am1), h = norm - 1.0;
         if (h > 0) {
             lo = tau;
@@ -206,7 +214,9 @@ static double newton(candidate *c, int64_t *count, double alpha, const hf_sparse
         }
         double step = (lo + hi) / 2.0;
         if (slope > 0) {
-            double proposal = tau + h * (total / norm) / slope;
+            double newton_step = h * (total / norm) / slope;
+            double bend = h * (beta - 1.0) * (total * sums[2] / (slope * slope) - 1.0) / (2.0 * norm);
+            double proposal = tau + (bend < 0.5 && bend > -0.5 ? newton_step / (1.0 - bend) : newton_step);
             if (proposal >= lo && proposal <= hi) step = proposal;
         }
         int converged = fabs(step - tau) <= p->tolerance;
@@ -245,12 +255,16 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
     memset(oi, 0, sizeof(float) * value_dim);
     if (top <= masked) return; /* sees no key */
     double am1 = alpha - 1.0, margin = -p->candidate_margin;
+    /* A score at or below `cut` is no candidate: cut is, for the test below, not one, and the test is monotone in
+       the score (each rounding is), so a chunk of scores all at or below it is passed over. */
+    float cut = (float)((double)top + margin / am1);
+    while (((double)cut - (double)top) * am1 > margin) cut = nextafterf(cut, -INFINITY);
     int64_t n = 0;
-    for (int64_t start = 0; start < keys; start += CHUNK) { /* a chunk without a candidate is passed over */
+    for (int64_t start = 0; start < keys; start += CHUNK) {
         int64_t stop = keys - start < CHUNK ? keys : start + CHUNK;
         int any = 0;
 #pragma omp simd reduction(| : any)
-        for (int64_t j = start; j < stop; j++) any |= ((double)s[j] - (double)top) * am1 > margin; /* as below */
+        for (int64_t j = start; j < stop; j++) any |= s[j] > cut;
         for (int64_t j = start; any && j < stop; j++) { /* chosen has room for keys + 1: n <= j stays in it */
             double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
             chosen[n].z = z;
