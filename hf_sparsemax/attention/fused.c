@@ -137,6 +137,11 @@ static inline double power(double u, double e) {
     return n < -1022.0 ? 0.0 : t * scale;
 }
 
+/* out[i] = power(u[i], e) for i < n (u[i] in power's domain): the tests pin power to libm's pow through it. */
+void hf_sparsemax_power(const double *u, int64_t n, double e, double *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = power(u[i], e);
+}
+
 /* Over c[0..n), u_k = relu(z_k - tau): the sums F = sum u ** beta, S1 = sum u ** (beta - 1) and
    S2 = sum_{u > 0} u ** (beta - 2), beta = 1 / (alpha - 1) >= 1 (no pow for beta 1 and 2), in a loop that
    vectorises. */
