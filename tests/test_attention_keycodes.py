@@ -251,3 +251,34 @@ def test_calls_the_kernel_does_not_serve_keep_no_codes(monkeypatch):
     out = step(module, attn, q, cache, keys, values, None)
     assert getattr(cache.layers[0], pages.SUMMARY_ATTR).codes is None and keycodes.COUNTS["calls"] == 0
     assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 builds of the products")
+@pytest.mark.parametrize("flags", [("-march=native", "-mno-avx512f"), ("-march=x86-64",)], ids=["avx2", "plain"])
+def test_every_build_of_the_integer_products_gives_the_full_step(flags, tmp_path, monkeypatch):
+    """fused.c's code products come in AVX-512, AVX2 and plain C, chosen at build time: the machine CI runs on
+    compiles one. Build the others (the same source, other -m flags) and ask each for the certified step: equal to
+    the full step bit for bit, over 1 to 9 query rows a kv head (the products take rows four at a time)."""
+    import ctypes
+
+    from hf_sparsemax.attention import kernel_build
+    from hf_sparsemax.attention.blocks import grouped
+
+    build_flags = tuple(f for f in kernel_build.FLAGS if not f.startswith("-march")) + flags
+    path = kernel_build.compile_into(str(tmp_path), "products.so", kernel_build.compiler(), build_flags,
+                                     fused.header())
+    lib = ctypes.CDLL(path)
+    lib.hf_sparsemax_decode.restype = ctypes.c_int
+    lib.hf_sparsemax_decode.argtypes = [ctypes.POINTER(fused.Params)]
+    monkeypatch.setattr(fused, "library", lambda: lib)
+    g = torch.Generator().manual_seed(3)
+    for groups, rows in [(1, 1), (3, 1), (5, 1), (4, 2), (9, 1)]:
+        key, value = torch.randn(2, 2, 300, 64, generator=g) * 2, torch.randn(2, 2, 300, 64, generator=g)
+        query = torch.randn(2, 2 * groups, rows, 64, generator=g) * 3
+        for alpha in (2.0, 1.3):
+            problem = grouped(query, key, value, None, False, alpha, 0.125, None)
+            codes = keycodes.KeyCodes(key)
+            codes.reserve(300, 300)
+            certified = fused.decode(problem, alpha, codes=codes, length=300, certify=True)
+            assert min(codes.certified.tolist()) > 150  # most keys never read
+            assert torch.equal(certified, fused.decode(problem, alpha))

@@ -55,18 +55,20 @@ def reference(module, attn, q, k, v):
 class FakeEngine:
     """A paged cache with shuffled blocks, and the steps of several requests (each a sequence of q, k, v rows)."""
 
-    def __init__(self, sequences, blocks=64, seed=0):
-        self.cache = torch.full((blocks, KV_HEADS, BLOCK, 2 * DIM), float("nan"))  # unwritten slots poison the output
+    def __init__(self, sequences, blocks=64, seed=0, block=BLOCK):
+        self.cache = torch.full((blocks, KV_HEADS, block, 2 * DIM), float("nan"))  # unwritten slots poison the output
+        self.block = block
         generator = torch.Generator().manual_seed(seed)
         free = torch.randperm(blocks, generator=generator).tolist()
-        self.tables = [[free.pop() for _ in range(math.ceil(len(s[0]) / BLOCK))] for s in sequences]
+        self.tables = [[free.pop() for _ in range(math.ceil(len(s[0]) / block))] for s in sequences]
         self.sequences = sequences
         self.done = [0] * len(sequences)
 
-    def step(self, requests, attention, layers=1, scales=None):
+    def step(self, requests, attention, layers=1, scales=None, own=True):
         """Run ``{request: new tokens}`` (``layers`` times over the same cache, with one plan, as an engine's layers
         read it); returns each request's output rows (of the last). ``scales``: the layer's query scales, applied
-        to the step's queries as vLLM's backend applies them."""
+        to the step's queries as vLLM's backend applies them; ``own``: the step's keys and values handed to the
+        attention as vLLM's backend hands them (whole prompts read them; False: everything from the cache)."""
         qs, ks, vs, starts, lengths, slots = [], [], [], [0], [], []
         for request, count in requests.items():
             q, k, v = self.sequences[request]
@@ -76,7 +78,7 @@ class FakeEngine:
             vs.append(v[first:first + count])
             positions = torch.arange(first, first + count)
             table = torch.tensor(self.tables[request])
-            slots.append(table[positions // BLOCK] * BLOCK + positions % BLOCK)
+            slots.append(table[positions // self.block] * self.block + positions % self.block)
             starts.append(starts[-1] + count)
             lengths.append(first + count)
             self.done[request] += count
@@ -91,15 +93,16 @@ class FakeEngine:
                            table.to(torch.int32), torch.cat([*slots, torch.full((padding,), -1)]))
         if scales is not None:
             query = torch.cat([scales.apply(query[:starts[-1]], batch), query[starts[-1]:]])
+        mine = dict(key=key, value=value) if own else {}
         if layers == 1:  # no plan given: paged_attention builds the step's own
             write_cache(self.cache, key, value, batch.slot_mapping)
-            out = paged_attention(query, self.cache, batch, SCALE, attention)
+            out = paged_attention(query, self.cache, batch, SCALE, attention, **mine)
         else:  # one plan for the step, read by every layer (each writes the same keys again)
             plan = step_plan(batch, self.cache, query)
             for _ in range(layers):
                 assert plan.serves(batch, self.cache, query)
                 write_cache(self.cache, key, value, batch.slot_mapping, plan)
-                out = paged_attention(query, self.cache, batch, SCALE, attention, plan=plan)
+                out = paged_attention(query, self.cache, batch, SCALE, attention, plan=plan, **mine)
         return {request: out[starts[i]:starts[i + 1]] for i, request in enumerate(requests)}
 
 
@@ -249,7 +252,8 @@ def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, optio
     """Decode requests of different lengths (a padded batch), rows apart: the fused kernel serves them, reading
     each request's keys and values through its slots (no gather), equal to the gathered general path's output and
     to transformers'; the prefills (a whole prompt, and chunks after it) go through transformers' blocked
-    attention (:func:`.paged_attention.blocked_prefill`) on their gathered keys."""
+    attention (:func:`.paged_attention.blocked_prefill`), a whole prompt on the step's own keys (no gather), a
+    later chunk on its keys gathered out of the cache."""
     gathered, served, prefilled, original = [], [], [], paged.kernel_decode
     monkeypatch.setattr(paged, "gather", lambda *a, gather=paged.gather: gathered.append(a[2]) or gather(*a))
     monkeypatch.setattr(paged, "kernel_decode", lambda *a: served.append(original(*a)) or served[-1])
@@ -263,7 +267,7 @@ def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, optio
     for steps in ({0: 6, 1: 11, 2: 4}, {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1}, {0: 1, 2: 3}):
         for request, rows in engine.step(steps, attention).items():
             got[request].append(rows)
-    assert gathered == [1, 1, 1, 1] and len(served) == 3 and all(found is not None for found in served)
+    assert gathered == [1] and len(served) == 3 and all(found is not None for found in served)
     assert len(prefilled) == 4 and all(found is not None for found in prefilled)
     for request, (q, k, v) in enumerate(seqs):
         expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
@@ -289,3 +293,143 @@ def test_a_slot_outside_the_cache_is_refused():
     with pytest.raises(ValueError, match="slot outside"):
         fused.paged_decode(query, rows, rows, torch.tensor([[0, 8]]), None, 1.5, SCALE)
     assert fused.paged_decode(query, rows, rows, torch.tensor([[0, 7]]), None, 1.5, SCALE) is not None
+
+
+CERTIFIED = [a for a in KERNEL_SERVED if a[1].get("alpha") != 1.3] + [("entmax_bisect", {"alpha": 1.3})]
+LONG = [1105, 1049, 1064]  # at least MIN_KEYS keys when decoding: the int8 certificate on
+LONG_STEPS = ({0: 1100, 1: 600, 2: 512}, {1: 446, 2: 548, 0: 1}, {0: 1, 1: 1, 2: 1}, {2: 1, 0: 1, 1: 1},
+              {0: 1, 1: 1, 2: 1}, {0: 1, 2: 1})  # whole prompts, chunks, then padded decode batches, rows apart
+
+
+def long_run(attention, dtype, skip, monkeypatch):
+    """Each request's output rows over LONG_STEPS (cache blocks of 16 slots), with the certificate on or off
+    (``HF_SPARSEMAX_KV_SKIP``), and the keys the certified steps never read (:data:`.keycodes.COUNTS`)."""
+    from hf_sparsemax.attention import keycodes
+
+    monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "1" if skip else "0")
+    keycodes.reset_counts()
+    seqs = [tuple(t.to(dtype) for t in s) for s in sequences(LONG, seed=5)]
+    engine = FakeEngine(seqs, blocks=224, seed=6, block=16)
+    engine.cache = engine.cache.to(dtype)
+    got = {r: [] for r in range(len(seqs))}
+    for steps in LONG_STEPS:
+        for request, rows in engine.step(steps, attention).items():
+            got[request].append(rows)
+    assert engine.done == LONG
+    assert (engine.cache in paged.SLOT_CODES) == skip
+    if skip:  # D + 8 bytes a slot and kv head (codes, scale, residual), slots in whole code blocks
+        assert paged.SLOT_CODES[engine.cache].nbytes() == 224 * 16 * KV_HEADS * (DIM + 8)
+        assert paged.certificate_bytes() >= 224 * 16 * KV_HEADS * (DIM + 8)
+    return seqs, {r: torch.cat(rows) for r, rows in got.items()}, dict(keycodes.COUNTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn,options", CERTIFIED, ids=[f"{a}{o}" for a, o in CERTIFIED])
+def test_the_certificate_per_slot_skips_keys_and_changes_no_bit(attn, options, dtype, monkeypatch):
+    """Decoding over a paged cache with the int8 certificate kept per slot (codes made at the first step with
+    MIN_KEYS keys, then written with every key): some keys are never read, and every output row equals, bit for
+    bit, the same steps' with the certificate off (``HF_SPARSEMAX_KV_SKIP=0``, no codes kept), which equal
+    transformers' attention of the whole sequences; grouped heads, a learned alpha per head, requests of different
+    lengths, bfloat16 caches."""
+    from hf_sparsemax.attention import fused
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    module, attention = layer_of(attn, options)
+    seqs, certified, counts = long_run(attention, dtype, True, monkeypatch)
+    _, full, off = long_run(attention, dtype, False, monkeypatch)
+    assert counts["calls"] > 0 and 0 < counts["certified"] < counts["keys"] and off["calls"] == 0
+    for request, (q, k, v) in enumerate(seqs):
+        assert torch.equal(certified[request], full[request])
+        if options.get("learn_alpha"):  # transformers' learned alphas at 1000 keys: seconds (the short tests check)
+            continue
+        expected = reference(module, attn, q.float(), k.float(), v.float()).to(dtype)
+        tolerance = dict(rtol=1e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(certified[request].float(), expected.float(),  # float32 sums of ~1000 rows
+                                   **tolerance)
+
+
+def test_a_slot_reused_by_a_new_request_holds_the_new_keys_codes(monkeypatch):
+    """A request that gets a finished request's cache blocks writes its keys (and their codes) over the old ones:
+    its certified decoding equals, bit for bit, a fresh cache's without the certificate. Its keys are the old
+    keys negated, so the old codes would exclude its largest scores: with the codes left stale (writes skipped)
+    the output changes."""
+    from hf_sparsemax.attention import fused
+    from hf_sparsemax.attention.keycodes import COUNTS, SlotCodes, reset_counts
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    _, attention = layer_of("sparsemax", {})
+    q, k, v = sequences([1040], seed=7)[0]
+    new = (q, -k, v)
+
+    def reused(stale):
+        engine = FakeEngine([(q, k, v), new], blocks=140, seed=8, block=16)
+        engine.tables[1] = engine.tables[0]  # request 1 gets request 0's blocks once it finished
+        engine.step({0: 1039}, attention)
+        engine.step({0: 1}, attention)  # 1040 keys: the codes made (every slot) and used
+        if stale:
+            monkeypatch.setattr(SlotCodes, "write", lambda *a: True)
+        engine.step({1: 1038}, attention)  # a whole prompt over the old slots
+        return torch.cat([engine.step({1: 1}, attention)[1] for _ in range(2)])
+
+    monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "0")
+    fresh = FakeEngine([new], blocks=70, seed=9, block=16)
+    fresh.step({0: 1038}, attention)
+    expected = torch.cat([fresh.step({0: 1}, attention)[0] for _ in range(2)])
+    monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "1")
+    reset_counts()
+    assert torch.equal(reused(stale=False), expected)
+    assert COUNTS["calls"] == 3 and COUNTS["certified"] > 0
+    assert not torch.equal(reused(stale=True), expected)
+
+
+def test_keys_whose_slots_break_a_code_block_are_read(monkeypatch):
+    """Cache blocks of 8 slots (half a code block) in shuffled order: a key is certified only where its code block's
+    slots are consecutive from a multiple of 16 (the others are scored exactly), the output bit for bit the
+    uncertified call's; codes made from every slot, then rewritten for some, as an engine writes them."""
+    from hf_sparsemax.attention import fused
+    from hf_sparsemax.attention.keycodes import SlotCodes
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(10)
+    cache_blocks, block, keys = 300, 8, 1200
+    rows = torch.randn(cache_blocks * block, 2, KV_HEADS, DIM)
+    codes = SlotCodes(rows[:, 0])
+    rows[:100, 0] = torch.randn(100, KV_HEADS, DIM) * 3
+    assert codes.write(rows[:, 0], torch.arange(100))  # the new keys of 100 slots
+    tables = torch.stack([torch.randperm(cache_blocks)[: keys // block] for _ in range(2)])
+    positions = torch.arange(keys)
+    slots = tables[:, positions // block] * block + positions % block
+    mask = torch.zeros(2, 1, 1, 1, keys)
+    mask[1, ..., 1000:] = torch.finfo(torch.float32).min  # the second request has 1000 keys
+    query = torch.randn(2, KV_HEADS, HEADS // KV_HEADS, 1, DIM) * 2
+    for alpha in (2.0, 1.5, learned_alpha().view(1, KV_HEADS, HEADS // KV_HEADS, 1, 1)):
+        full = fused.paged_decode(query, rows[:, 0], rows[:, 1], slots, mask, alpha, SCALE)
+        certified = fused.paged_decode(query, rows[:, 0], rows[:, 1], slots, mask, alpha, SCALE, codes=codes)
+        assert torch.equal(certified, full)
+        first = slots[:, ::16] % 16 == 0  # a code block's first 8 keys coded; its last 8 where they follow
+        coded = 8 * first.sum(1) + 8 * (first & (slots[:, 8::16] == slots[:, ::16] + 8)).sum(1)
+        assert (0 < codes.certified.view(2, KV_HEADS)).all()
+        assert (codes.certified.view(2, KV_HEADS) <= coded[:, None]).all()
+
+
+@pytest.mark.parametrize("attn,options", ATTENTIONS, ids=[f"{a}{o}" for a, o in ATTENTIONS])
+def test_a_whole_prompt_on_its_own_keys_equals_its_keys_gathered(attn, options, monkeypatch):
+    """A whole new prompt is attended over the step's own keys and values (no gather), a prompt with a cached
+    prefix or a later chunk over its keys gathered out of the cache: the same rows, bit for bit."""
+    _, attention = layer_of(attn, options)
+    seqs = sequences([12, 9], seed=11)
+    own, gathered = FakeEngine(seqs, seed=12), FakeEngine(seqs, seed=12)
+    calls = []
+    monkeypatch.setattr(paged, "gather", lambda *a, gather=paged.gather: calls.append(a[3]) or gather(*a))
+    first = own.step({0: 12, 1: 5}, attention)
+    assert calls == []  # two whole prompts: nothing gathered
+    second = own.step({1: 4}, attention)
+    assert calls == [9]  # a later chunk: its 9 keys gathered
+    for out, steps in ((first, {0: 12, 1: 5}), (second, {1: 4})):  # the keys withheld: every prompt gathered
+        again = gathered.step(steps, attention, own=False)
+        for request in steps:
+            assert torch.equal(again[request], out[request])
+    assert calls == [9, 12, 5, 9]

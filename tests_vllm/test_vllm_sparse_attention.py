@@ -150,6 +150,31 @@ def test_greedy_tokens_equal_transformers_generate(folders, name):
             assert mapping(logits[len(prefix) + step - 1])[token] > 0, (output.prompt_token_ids, step, token)
 
 
+def test_long_prompts_decode_through_the_int8_certificate_as_transformers(folders, monkeypatch):
+    """Prompts of over a thousand tokens (the certificate is on from 1024 keys: the short prompts above never
+    reach it): vLLM's decode steps keep int8 codes per cache slot and read only the keys they cannot exclude, and
+    the greedy tokens are still transformers' (whose steps certify too; both are exact). The engine runs in this
+    process so that the certificate's counts can be read: most keys were never read."""
+    from transformers import AutoTokenizer
+
+    from hf_sparsemax.attention import keycodes
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = folders / "sparsemax"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = " ".join(PROMPTS[3:] * 12)
+    prompts = [tokenizer(text)["input_ids"][:length] for length in (1100, 1190)]
+    keycodes.reset_counts()
+    (greedy,), _ = served(folder, (prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0)),
+                          max_model_len=1280, max_num_batched_tokens=512)
+    calls, keys, never = keycodes.COUNTS["calls"], keycodes.COUNTS["keys"], keycodes.COUNTS["certified"]
+    expected, gap = transformers_greedy(folder, prompts)
+    print(f"long prompts: {calls} certified layer calls, {never / max(keys, 1):.1%} of {keys} keys never read; "
+          f"smallest top-2 logit gap {gap:.3g}")
+    assert [list(output.outputs[0].token_ids) for output in greedy] == expected
+    assert calls > 0 and never > keys / 2
+
+
 def test_a_folder_whose_learned_alphas_are_missing_is_refused(folders, tmp_path):
     """vLLM checks no parameter of a folder with a quantization method: hf_sparsemax refuses it after loading."""
     import shutil

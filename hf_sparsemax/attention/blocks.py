@@ -77,6 +77,8 @@ def block_queries(batch: int, heads: int, queries: int, keys: int, budget: int |
     A GPU runs a small block's dozen kernels faster than it launches them, and each block's live-key scan
     waits for the device: on an H200, SmolLM2's 2048-token prefill took 20x sdpa's time in 4 MiB blocks
     (930 compiled calls, 29k kernel launches; the GPU busy 110 ms of 930), hence the larger budget there."""
+    if queries <= MIN_BLOCK_QUERIES:  # what the rule below gives (one block), without its arithmetic: decoding
+        return max(1, queries)
     if budget is None:
         budget = ATTENTION_BUDGET if device is None or torch.device(device).type == "cpu" else DEVICE_ATTENTION_BUDGET
     per_query = max(1, batch * heads * keys)
@@ -172,11 +174,12 @@ def grouped(query, key, value, mask, causal, alpha, scaling, threshold) -> Probl
     up to their own position) and ``alpha`` a float or ``[1, H, 1, 1]``."""
     kv_heads = key.shape[1]
     groups = query.shape[1] // kv_heads
-    query = query.unflatten(1, (kv_heads, groups))
+    split = lambda t: t.view(t.shape[0], kv_heads, groups, *t.shape[2:])  # noqa: E731 (view: unflatten's cost)
+    query = split(query)
     if mask is not None:
-        mask = mask.unflatten(1, (kv_heads, groups)) if mask.shape[1] != 1 else mask.unsqueeze(2)
+        mask = split(mask) if mask.shape[1] != 1 else mask.unsqueeze(2)
     if isinstance(alpha, torch.Tensor):
-        alpha = alpha.unflatten(1, (kv_heads, groups))
+        alpha = split(alpha)
     return Problem(query, key, value, mask, causal and mask is None, alpha, scaling, threshold)
 
 

@@ -387,114 +387,199 @@ static inline int64_t code_at(int64_t slot, int64_t d, int64_t dim) {
 #define MULTIPLY_ADD(acc, k, q) _mm512_add_epi32(acc, _mm512_madd_epi16(k, q))
 #endif
 
-/* out[l] = sum_d e_d c_{l, d}, exact in int32, for the CODE_BLOCK keys of a block (dim even): AVX-512 (with
-   VNNI's vpdpwssd where the build machine has it), AVX2, or plain C, chosen at build time (-march=native). */
-static void block_products(const int16_t *e, const int8_t *block, int64_t dim, int32_t *out) {
+/* out[i * CODE_BLOCK + l] = sum_d e_id c_{l, d}, exact in int32, for the `rows` query rows e (rows x dim int16)
+   against the CODE_BLOCK keys of a block (dim even): AVX-512 (with VNNI's vpdpwssd where the build machine has
+   it), AVX2, or plain C, chosen at build time (-march=native). The rows go four at a time, so that each channel
+   pair of the block is loaded and widened once for four rows (a missing fourth row repeats the last one and is
+   not stored): four independent sums hide the multiply-add's latency. */
+#define PRODUCT_ROWS 4
+static void block_products(const int16_t *e, int64_t rows, const int8_t *block, int64_t dim, int32_t *out) {
+    for (int64_t first = 0; first < rows; first += PRODUCT_ROWS) {
+        const int16_t *r[PRODUCT_ROWS];
+        for (int64_t i = 0; i < PRODUCT_ROWS; i++) r[i] = e + (first + i < rows ? first + i : rows - 1) * dim;
+        int64_t stored = rows - first < PRODUCT_ROWS ? rows - first : PRODUCT_ROWS;
 #if defined(__AVX512BW__)
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: half the latency */
-    int64_t d2 = 0;
-    for (; d2 + 1 < dim / 2; d2 += 2) {
-        int32_t pairs[2];
-        memcpy(pairs, e + 2 * d2, sizeof pairs);
-        __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
-        __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * (d2 + 1))));
-        even = MULTIPLY_ADD(even, k0, _mm512_set1_epi32(pairs[0]));
-        odd = MULTIPLY_ADD(odd, k1, _mm512_set1_epi32(pairs[1]));
-    }
-    if (d2 < dim / 2) {
-        int32_t pair;
-        memcpy(&pair, e + 2 * d2, sizeof pair);
-        __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
-        even = MULTIPLY_ADD(even, k, _mm512_set1_epi32(pair));
-    }
-    _mm512_storeu_si512((void *)out, _mm512_add_epi32(even, odd));
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+            __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+            int32_t pair[PRODUCT_ROWS];
+            for (int64_t i = 0; i < PRODUCT_ROWS; i++) memcpy(pair + i, r[i] + 2 * d2, sizeof(int32_t));
+            acc0 = MULTIPLY_ADD(acc0, k, _mm512_set1_epi32(pair[0]));
+            acc1 = MULTIPLY_ADD(acc1, k, _mm512_set1_epi32(pair[1]));
+            acc2 = MULTIPLY_ADD(acc2, k, _mm512_set1_epi32(pair[2]));
+            acc3 = MULTIPLY_ADD(acc3, k, _mm512_set1_epi32(pair[3]));
+        }
+        __m512i sums[PRODUCT_ROWS] = {acc0, acc1, acc2, acc3};
+        for (int64_t i = 0; i < stored; i++) _mm512_storeu_si512((void *)(out + (first + i) * CODE_BLOCK), sums[i]);
 #elif defined(__AVX2__)
-    __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
-        int32_t pair;
-        memcpy(&pair, e + 2 * d2, sizeof pair);
-        __m256i q = _mm256_set1_epi32(pair);
-        const int8_t *at = block + 2 * CODE_BLOCK * d2;
-        __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
-        __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
-        low = _mm256_add_epi32(low, _mm256_madd_epi16(k0, q));
-        high = _mm256_add_epi32(high, _mm256_madd_epi16(k1, q));
-    }
-    _mm256_storeu_si256((__m256i *)out, low);
-    _mm256_storeu_si256((__m256i *)(out + 8), high);
+        __m256i low[PRODUCT_ROWS], high[PRODUCT_ROWS];
+        for (int64_t i = 0; i < PRODUCT_ROWS; i++) low[i] = high[i] = _mm256_setzero_si256();
+        for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+            const int8_t *at = block + 2 * CODE_BLOCK * d2;
+            __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+            __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
+            for (int64_t i = 0; i < PRODUCT_ROWS; i++) {
+                int32_t pair;
+                memcpy(&pair, r[i] + 2 * d2, sizeof pair);
+                __m256i q = _mm256_set1_epi32(pair);
+                low[i] = _mm256_add_epi32(low[i], _mm256_madd_epi16(k0, q));
+                high[i] = _mm256_add_epi32(high[i], _mm256_madd_epi16(k1, q));
+            }
+        }
+        for (int64_t i = 0; i < stored; i++) {
+            _mm256_storeu_si256((__m256i *)(out + (first + i) * CODE_BLOCK), low[i]);
+            _mm256_storeu_si256((__m256i *)(out + (first + i) * CODE_BLOCK + 8), high[i]);
+        }
 #else
-    for (int64_t l = 0; l < CODE_BLOCK; l++) out[l] = 0;
-    for (int64_t d2 = 0; d2 < dim / 2; d2++) {
-        const int8_t *at = block + 2 * CODE_BLOCK * d2;
-        for (int64_t l = 0; l < CODE_BLOCK; l++)
-            out[l] += (int32_t)e[2 * d2] * at[2 * l] + (int32_t)e[2 * d2 + 1] * at[2 * l + 1];
-    }
+        for (int64_t i = 0; i < stored; i++) {
+            int32_t *o = out + (first + i) * CODE_BLOCK;
+            for (int64_t l = 0; l < CODE_BLOCK; l++) o[l] = 0;
+            for (int64_t d2 = 0; d2 < dim / 2; d2++) {
+                const int8_t *at = block + 2 * CODE_BLOCK * d2;
+                for (int64_t l = 0; l < CODE_BLOCK; l++)
+                    o[l] += (int32_t)r[i][2 * d2] * at[2 * l] + (int32_t)r[i][2 * d2 + 1] * at[2 * l + 1];
+            }
+        }
 #endif
+    }
+}
+
+/* The int8 code of one key (the dim entries at p->key + at, float32 or bfloat16) into slot `slot` of the codes
+   (code_at) and its scale into code_scales[slot]; returns 1 with *rho = ||k - s_k c|| / s_k and *kappa = ||c||
+   (rounded up), or 0 for a key with a NaN or infinite entry, or too small to scale: scale NaN, never certified. */
+static int quantise_key(const hf_sparsemax_params *p, int64_t at, int64_t slot, double *rho, double *kappa) {
+    int64_t dim = p->dim;
+    float top = 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        float x = fabsf(widen(p->key, at + d, p->bf16));
+        top = x > top || isnan(x) ? x : top;
+    }
+    float scale = top / 127.0f;
+    if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) { /* NaN or infinite, or underflows */
+        for (int64_t d = 0; d < dim; d++) p->codes[code_at(slot, d, dim)] = 0;
+        p->code_scales[slot] = NAN;
+        return 0;
+    }
+    double residual = 0.0, norm = 0.0;
+    for (int64_t d = 0; d < dim; d++) {
+        float x = widen(p->key, at + d, p->bf16);
+        float v = scale > 0.0f ? rintf(x / scale) : 0.0f;
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        p->codes[code_at(slot, d, dim)] = (int8_t)v;
+        double r = (double)x - (double)scale * (double)v; /* the product exact in double */
+        residual += r * r;
+        norm += (double)v * (double)v;
+    }
+    p->code_scales[slot] = scale;
+    *rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + NORM_SLACK) : 0.0;
+    *kappa = sqrt(norm) * (1.0 + CODE_NORM_SLACK);
+    return 1;
 }
 
 /* Write the int8 codes and scales of the keys [p->coded, p->length) of task (b, h) and bring its rho, kappa
-   (code_bounds[2 task], [2 task + 1]) up to date (reset first where coded is 0). A key with a NaN or infinite
-   entry, or too small to scale, gets a NaN scale: never certified. */
+   (code_bounds[2 task], [2 task + 1]) up to date (reset first where coded is 0). */
 static void quantise_keys(const hf_sparsemax_params *p, int64_t b, int64_t h) {
-    int64_t dim = p->dim, task = b * p->kv_heads + h;
-    double *bounds = p->code_bounds + 2 * task;
+    double *bounds = p->code_bounds + 2 * (b * p->kv_heads + h), rho, kappa;
     if (p->coded == 0) bounds[0] = bounds[1] = 0.0;
     for (int64_t j = p->coded; j < p->length; j++) {
-        int64_t at = b * p->k_b + h * p->k_h + j * p->k_n, slot = b * p->c_b + h * p->c_h + j;
-        float top = 0.0f;
-        for (int64_t d = 0; d < dim; d++) {
-            float x = fabsf(widen(p->key, at + d, p->bf16));
-            top = x > top || isnan(x) ? x : top;
-        }
-        float scale = top / 127.0f;
-        if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) { /* NaN or infinite, or underflows */
-            for (int64_t d = 0; d < dim; d++) p->codes[code_at(slot, d, dim)] = 0;
-            p->code_scales[slot] = NAN;
+        if (!quantise_key(p, b * p->k_b + h * p->k_h + j * p->k_n, b * p->c_b + h * p->c_h + j, &rho, &kappa))
             continue;
-        }
-        double residual = 0.0, norm = 0.0;
-        for (int64_t d = 0; d < dim; d++) {
-            float x = widen(p->key, at + d, p->bf16);
-            float v = scale > 0.0f ? rintf(x / scale) : 0.0f;
-            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            p->codes[code_at(slot, d, dim)] = (int8_t)v;
-            double r = (double)x - (double)scale * (double)v; /* the product exact in double */
-            residual += r * r;
-            norm += (double)v * (double)v;
-        }
-        p->code_scales[slot] = scale;
-        double rho = scale > 0.0f ? sqrt(residual) / scale * (1.0 + NORM_SLACK) : 0.0;
-        double kappa = sqrt(norm) * (1.0 + CODE_NORM_SLACK);
         if (rho > bounds[0]) bounds[0] = rho;
         if (kappa > bounds[1]) bounds[1] = kappa;
     }
 }
 
+/* ---- The certificate per slot of a paged cache (vLLM) ------------------------------------------------------
+
+   A paged cache's slots are shared by the requests over time, so no bound per (batch row, kv head) can be kept
+   as keys are appended. Each slot s of kv head h keeps its code at slot h c_h + s of the codes (c_h a multiple
+   of CODE_BLOCK), its scale, and its own rho_s rounded up to float32 (code_residuals), all written by
+   hf_sparsemax_code_slots whenever a key is written to the slot (so they are always those of the key stored
+   there). A decoding call takes rho = max_j rho_{slot j} over the request's keys (slot_bounds: one float read a
+   key, beside its D bytes of codes), and kappa = 127 sqrt(dim), which holds for every int8 code (|c_d| <= 127)
+   and costs little: its term s_k kappa ||r_q|| <= (dim / 65534) max|k| max|q| (r_q: the query's int16 rounding)
+   is a few percent of the rho term's ||q|| s_k rho. Key j's codes are read in a block of CODE_BLOCK with its
+   neighbours, which needs their slots consecutive from a multiple of CODE_BLOCK (cache blocks of a multiple of
+   CODE_BLOCK slots); a key whose slot breaks that is not coded for the call (code_block): scored exactly. */
+
+/* Code the keys at p->slots[0 .. p->keys) (key rows [slots, kv_heads, dim] through k_n, k_h) for every kv head:
+   codes, scales and residuals rho_s (rounded up to float32; 0 for a key never certified). */
+int hf_sparsemax_code_slots(const hf_sparsemax_params *p) {
+    int64_t kv_heads = p->kv_heads, total = p->keys * kv_heads;
+#pragma omp parallel for num_threads(p->threads) schedule(static) if (total > 256)
+    for (int64_t k = 0; k < total; k++) {
+        int64_t s = p->slots[k / kv_heads], h = k % kv_heads, slot = h * p->c_h + s;
+        double rho = 0.0, kappa;
+        quantise_key(p, s * p->k_n + h * p->k_h, slot, &rho, &kappa);
+        float up = (float)rho;
+        p->code_residuals[slot] = (double)up < rho ? nextafterf(up, INFINITY) : up;
+    }
+    return 0;
+}
+
+/* rho and kappa of task (b, h): kept per task (transformers' caches), or from its slots (a paged cache, above). */
+static void code_norms(const hf_sparsemax_params *p, int64_t b, int64_t h, double *rho, double *kappa) {
+    if (!p->slots) {
+        *rho = p->code_bounds[2 * (b * p->kv_heads + h)], *kappa = p->code_bounds[2 * (b * p->kv_heads + h) + 1];
+        return;
+    }
+    const int64_t *slot_row = p->slots + b * p->s_b;
+    float top = 0.0f;
+    for (int64_t j = 0; j < p->keys; j++) {
+        float r = p->code_residuals[h * p->c_h + slot_row[j]];
+        top = r > top ? r : top;
+    }
+    *rho = top;
+    *kappa = 127.0 * sqrt((double)p->dim) * (1.0 + CODE_NORM_SLACK);
+}
+
+/* The codes of the keys [start, start + count) of task (b, h) (start a multiple of CODE_BLOCK, count at most
+   it): the block that holds them, or NULL, and scale_k[l] the scale of key start + l, NaN where its code is not
+   there (never certified: scored exactly). Transformers' caches: keys [0, length) coded in place. A paged
+   cache: key start + l where its slot is the block's first slot + l (the first a multiple of CODE_BLOCK). */
+static const int8_t *code_block(const hf_sparsemax_params *p, int64_t b, int64_t h, int64_t start, int64_t count,
+                                float *scale_k) {
+    for (int64_t l = 0; l < CODE_BLOCK; l++) scale_k[l] = NAN;
+    if (!p->slots) {
+        int64_t base = b * p->c_b + h * p->c_h + start;
+        for (int64_t l = 0; l < count && start + l < p->length; l++) scale_k[l] = p->code_scales[base + l];
+        return start < p->length ? p->codes + base * p->dim : NULL;
+    }
+    const int64_t *slot_row = p->slots + b * p->s_b + start;
+    if (slot_row[0] % CODE_BLOCK) return NULL;
+    int64_t base = h * p->c_h + slot_row[0];
+    for (int64_t l = 0; l < count; l++)
+        if (slot_row[l] == slot_row[0] + l) scale_k[l] = p->code_scales[base + l];
+    return p->codes + base * p->dim;
+}
+
 /* The certified scores of task (b, h): the keys not certified, ascending, in kept[0..*n), and their exact scores
    (as score_keys writes them) in compact[i * *n + k] for every query row i; the keys certified are never read.
-   Returns the keys of [0, length) certified, or -1 where a query row is not finite or memory could not be had
-   (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are computed in
-   float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of codes
-   branch-free so that the compiler vectorises them. */
+   Returns the number of keys with codes (code_block) certified, or -1 where a query row is not finite or memory
+   could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are
+   computed in float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of
+   codes branch-free so that the compiler vectorises them. */
 static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
                                 const float *const *mask_rows, float *row, float *scores, int64_t *kept,
                                 float *compact, int64_t *n) {
-    int64_t rows = p->rows, keys = p->keys, dim = p->dim, task = b * p->kv_heads + h;
+    int64_t rows = p->rows, keys = p->keys, dim = p->dim;
     int16_t *e = malloc(sizeof(int16_t) * rows * dim);
     float *spec = malloc(sizeof(float) * rows * 3);         /* per row: scaling s_q, A_q, the cut on t + E */
     float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* per row and lane: the largest t - E */
-    if (!e || !spec || !lows) {
-        free(e), free(spec), free(lows);
+    int32_t *products = malloc(sizeof(int32_t) * rows * CODE_BLOCK); /* a block's integer products, row by row */
+    if (!e || !spec || !lows || !products) {
+        free(e), free(spec), free(lows), free(products);
         return -1;
     }
-    double rho = p->code_bounds[2 * task], kappa = p->code_bounds[2 * task + 1], u = UNIT_ROUNDOFF;
+    double rho, kappa, u = UNIT_ROUNDOFF;
+    code_norms(p, b, h, &rho, &kappa);
     for (int64_t i = 0; i < rows; i++) {
         const float *qi = q + i * dim;
         float top = 0.0f;
         for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
         float scale = top / 32767.0f;
         if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
-            free(e), free(spec), free(lows);
+            free(e), free(spec), free(lows), free(products);
             return -1;
         }
         double norm = 0.0, residual = 0.0;
@@ -514,22 +599,21 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
     float error = (float)p->code_error * (1.0f + (float)BOUND_SLACK); /* code_error is 1 (0 only in a test: no bound) */
-    int32_t products[CODE_BLOCK];
     float scale_k[CODE_BLOCK], m[CODE_BLOCK];
     /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
     for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
-        int64_t base = b * p->c_b + h * p->c_h + start, count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
-        const int8_t *block = start < p->length ? p->codes + base * dim : NULL; /* beyond: no codes (not read) */
-        for (int64_t l = 0; l < CODE_BLOCK; l++) scale_k[l] = start + l < p->length ? p->code_scales[base + l] : NAN;
+        int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
+        const int8_t *block = code_block(p, b, h, start, count, scale_k); /* NULL: no codes (not read) */
+        if (block) block_products(e, rows, block, dim, products);
+        else memset(products, 0, sizeof(int32_t) * rows * CODE_BLOCK);
         for (int64_t i = 0; i < rows; i++) {
-            if (block) block_products(e + i * dim, block, dim, products);
-            else memset(products, 0, sizeof products);
+            const int32_t *product = products + i * CODE_BLOCK;
             for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
             float sc = spec[3 * i], bound = spec[3 * i + 1];
             float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
-                float t = sc * scale_k[l] * (float)products[l] + m[l];
+                float t = sc * scale_k[l] * (float)product[l] + m[l];
                 float err = (scale_k[l] * bound + (float)SUM_SLACK * (fabsf(t) + fabsf(m[l]))) * error;
                 float lo = t - err, hi = t + err, old = low[l];
                 int masked = m[l] <= level;
@@ -552,34 +636,32 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     int64_t certified = 0, found = 0;
     unsigned char keep[CODE_BLOCK];
     for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
-        int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK, any = 0;
+        int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
         memset(keep, 0, sizeof keep);
         for (int64_t i = 0; i < rows; i++) {
             const float *up = scores + i * keys + start;
             float cut = spec[3 * i + 2];
             for (int64_t l = 0; l < count; l++) keep[l] |= !(up[l] <= cut);
         }
-        for (int64_t l = 0; l < count; l++) any += keep[l];
-        int64_t coded = p->length - start < count ? (p->length > start ? p->length - start : 0) : count;
-        certified += coded;
-        for (int64_t l = 0; any && l < count; l++) {
-            if (!keep[l]) continue;
-            kept[found++] = start + l;
-            certified -= l < coded;
+        code_block(p, b, h, start, count, scale_k); /* which keys have codes (counted where not read) */
+        for (int64_t l = 0; l < count; l++) {
+            certified += !keep[l] && !isnan(scale_k[l]);
+            if (keep[l]) kept[found++] = start + l;
         }
     }
     for (int64_t k = 0; k < found; k++) score_keys(p, b, h, q, mask_rows, kept[k], kept[k] + 1, row, scores);
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < found; k++) compact[i * found + k] = scores[i * keys + kept[k]];
     *n = found;
-    free(e), free(spec), free(lows);
+    free(e), free(spec), free(lows), free(products);
     return certified;
 }
 
 /* A decoding step: query [batch, kv_heads, rows, dim] (rows: the G query heads' q_rows rows each), keys and
    values through their strides, an additive mask through its strides (or NULL), alphas one per query head (or
    NULL: fixed_alpha); out [batch, kv_heads, rows, value_dim]. Where codes is not NULL, the keys
-   [coded, length) are quantised first, and where certify is set the keys certified (above) are not read;
+   [coded, length) are quantised first (a paged cache: its slots' codes are read as they are), and where certify
+   is set the keys certified (above) are not read;
    certified[task] (where not NULL) gets their number (-1: the task scored every key). */
 int hf_sparsemax_decode(const hf_sparsemax_params *p) {
     int64_t kv_heads = p->kv_heads, rows = p->rows, keys = p->keys, dim = p->dim, q_rows = p->q_rows;
@@ -603,9 +685,8 @@ int hf_sparsemax_decode(const hf_sparsemax_params *p) {
             mask_rows[i] = mask + b * p->m_b + h * p->m_h + (i / q_rows) * p->m_g + (i % q_rows) * p->m_r;
         int64_t certified = -1, n = keys, *kept = NULL;
         float *compact = NULL;
-        int coded = p->codes && !slot_row; /* a paged cache keeps no codes: every key is scored */
-        if (coded) quantise_keys(p, b, h);
-        if (coded && p->certify) {
+        if (p->codes && !slot_row) quantise_keys(p, b, h); /* a paged cache's: written with its keys (code_slots) */
+        if (p->codes && p->certify) {
             kept = malloc(sizeof(int64_t) * keys);
             compact = malloc(sizeof(float) * rows * keys);
             if (kept && compact) certified = certified_scores(p, b, h, q, mask_rows, row, scores, kept, compact, &n);

@@ -85,8 +85,9 @@ FIELDS = (  # (name, ctypes type, C type where a pointer): the one declaration o
     ("codes", _PTR, "int8_t *"), ("code_scales", _PTR, "float *"), ("code_bounds", _PTR, "double *"),
     ("certified", _PTR, "int64_t *"), ("c_b", _I64), ("c_h", _I64), ("coded", _I64), ("length", _I64),
     ("certify", _I32), ("code_error", _F64),  # code_error: the factor of the bound's E (1; 0 only in a test)
-    # a paged cache (or NULL): key / value row j of batch row b is row slots[b * s_b + j] (k_b, v_b unused: 0)
-    ("slots", _PTR, "const int64_t *"), ("s_b", _I64),
+    # a paged cache (or NULL): key / value row j of batch row b is row slots[b * s_b + j] (k_b, v_b unused: 0);
+    # its codes per slot: codes [Hkv, S, D], code_scales and code_residuals [Hkv, S] (c_h = S, c_b = 0)
+    ("slots", _PTR, "const int64_t *"), ("s_b", _I64), ("code_residuals", _PTR, "float *"),
 )
 
 
@@ -122,7 +123,7 @@ def library():
     if lost:
         warn_once("openmp", f"the fused attention kernel was built without OpenMP, so it runs on one "
                                          f"thread ({lost[:200]})")
-    for name in ("hf_sparsemax_decode", "hf_sparsemax_rows"):
+    for name in ("hf_sparsemax_decode", "hf_sparsemax_rows", "hf_sparsemax_code_slots"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.POINTER(Params)]
     return lib
@@ -134,9 +135,11 @@ def available() -> bool:
 
 def within_storage(tensor: torch.Tensor) -> bool:
     """Whether every element the sizes and strides reach lies inside the tensor's storage (no negative stride)."""
-    if any(stride < 0 for stride in tensor.stride()):
-        return False
-    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    last = tensor.storage_offset()
+    for size, stride in zip(tensor.shape, tensor.stride()):  # a plain loop: this runs on every decoding call
+        if stride < 0:
+            return False
+        last += (size - 1) * stride
     return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
 
 
@@ -146,7 +149,11 @@ def checked(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], devi
     kernel merely does not serve)."""
     if tensor.device != device:
         raise ValueError(f"fused attention kernel: {name} is on {tensor.device}, the query on {device}")
-    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+    sizes = tensor.shape
+    fits = len(sizes) == len(shape)
+    for got, want in zip(sizes, shape):  # a plain loop: this runs several times on every decoding call
+        fits = fits and (want is None or got == want)
+    if not fits:
         wanted = ", ".join("*" if want is None else str(want) for want in shape)
         raise ValueError(f"fused attention kernel: {name} has shape {tuple(tensor.shape)}, expected [{wanted}]")
     if not within_storage(tensor):
@@ -235,13 +242,61 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     return None if stopped else out
 
 
+def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
+    """The slots ``S`` of a paged cache's codes (:class:`.keycodes.SlotCodes`) for ``key_rows [slots, Hkv, D]``:
+    ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32, ``S`` a multiple of ``CODE_BLOCK``
+    covering the cache; a mismatch is a ValueError."""
+    slots, kv_heads, dim = key_rows.shape
+    size = codes.codes.shape[1] if codes.codes.dim() == 3 else -1
+    if (size < slots or size % CERTIFICATE["CODE_BLOCK"] or codes.codes.dtype != torch.int8
+            or codes.scales.dtype != torch.float32 or codes.residuals.dtype != torch.float32
+            or dim % 2 or dim > MAX_CODED_DIM):
+        raise ValueError(f"fused attention kernel: slot codes of shape {tuple(codes.codes.shape)} cannot code a "
+                         f"cache of {slots} slots, {kv_heads} kv heads, head size {dim}")
+    device = key_rows.device
+    for name, tensor, shape in (("slot codes", codes.codes, (kv_heads, size, dim)),
+                                ("slot scales", codes.scales, (kv_heads, size)),
+                                ("slot residuals", codes.residuals, (kv_heads, size))):
+        if not tensor.is_contiguous():
+            raise ValueError(f"fused attention kernel: {name} must be contiguous")
+        checked(name, tensor, shape, device)
+    return size
+
+
+def code_slots(key_rows: torch.Tensor, slots: torch.Tensor, codes) -> bool:
+    """Write the int8 codes, scales and residuals of the keys ``key_rows[slots]`` (``[slots, Hkv, D]``, every kv
+    head; ``slots [n]``) into ``codes`` (:class:`.keycodes.SlotCodes`): one kernel call (``fused.c``,
+    ``hf_sparsemax_code_slots``); False where the kernel is not there (nothing written). A slot outside the
+    cache is a ValueError."""
+    if not available() or key_rows.dtype not in KEY_DTYPES or key_rows.stride(-1) != 1:
+        return False
+    size = checked_slot_codes(codes, checked("key rows", key_rows, (None, None, None), key_rows.device))
+    slots = slots.to(device=key_rows.device, dtype=torch.int64).contiguous()
+    if slots.numel() == 0:
+        return True
+    if int(slots.min()) < 0 or int(slots.max()) >= key_rows.shape[0]:
+        raise ValueError(f"fused attention kernel: a slot outside the cache's {key_rows.shape[0]} rows")
+    params = Params(kv_heads=key_rows.shape[1], keys=slots.numel(), dim=key_rows.shape[2], key=key_rows.data_ptr(),
+                    k_h=key_rows.stride(1), k_n=key_rows.stride(0), bf16=KEY_DTYPES[key_rows.dtype],
+                    codes=codes.codes.data_ptr(), code_scales=codes.scales.data_ptr(),
+                    code_residuals=codes.residuals.data_ptr(), c_h=size, slots=slots.data_ptr(),
+                    threads=torch.get_num_threads())
+    library().hf_sparsemax_code_slots(ctypes.byref(params))
+    return True
+
+
 def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor | None, alpha, scaling: float) -> torch.Tensor | None:
+                 mask: torch.Tensor | None, alpha, scaling: float, codes=None) -> torch.Tensor | None:
     """``out [B, Hkv, G q, Dv]`` (float32) of decoding rows ``query [B, Hkv, G, q, D]`` (float32) over a paged cache
     read in place: key and value ``j`` of batch row ``b`` are ``key_rows[slots[b, j]]`` / ``value_rows[...]``
     (``[slots, Hkv, D]`` views of the engine's cache, float32 or bfloat16); ``mask`` additive, broadcastable to
     ``[B, Hkv, G, q, keys]``, or None; ``alpha`` a float in (1, 2] or ``[1, Hkv, G, 1, 1]``. None where the kernel
-    does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read)."""
+    does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read).
+
+    ``codes`` (a :class:`.keycodes.SlotCodes` of this cache, its slots coded as their keys were written, or
+    None): the keys the int8 certificate excludes are not read (``fused.c``: the certificate per slot), the same
+    output bit for bit; ``codes.certified [B Hkv]`` gets each task's count of keys not read (-1: every key
+    read)."""
     if not served(query, key_rows, value_rows, mask, slots.numel()):
         return None
     batch, kv_heads, groups, rows, dim = query.shape
@@ -266,6 +321,12 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
         v_n=value_rows.stride(0), m_b=strides[0], m_h=strides[1], m_g=strides[2], m_r=strides[3], m_n=strides[4],
         scaling=scaling, fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key_rows.dtype],
         slots=slots.data_ptr(), s_b=keys)
+    if codes is not None:
+        params.c_h = checked_slot_codes(codes, key_rows)
+        codes.certified = torch.full((batch * kv_heads,), -1, dtype=torch.int64)
+        params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()
+        params.code_residuals, params.certified = codes.residuals.data_ptr(), codes.certified.data_ptr()
+        params.certify, params.code_error = 1, CODE_ERROR
     stopped = library().hf_sparsemax_decode(ctypes.byref(params))
     return None if stopped else out
 

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from .blocks import block_queries, causal_mask, threshold_attention, work_operands
 from .pages import page_summary, take_layer
 from .decode import decode_attention, decoding_step
-from .query_scale import check_temperatures, scale_queries
+from .query_scale import check_temperatures, scale_queries, submodule
 from .routing import KERNELS, triton_route, wanted
 from ..mappings import registry
 from ..mappings.entmax import precise_in_float32
@@ -194,7 +194,7 @@ def attention_probabilities(module: nn.Module, scores: torch.Tensor, mapping: st
     """``mapping(scores)`` along the keys, with the module's options (defaults when it has none)."""
     options = getattr(module, OPTIONS_ATTR, None)
     values = registry.option_values(options.options) if options is not None and options.mapping == mapping else {}
-    learned = getattr(module, ALPHA_ATTR, None)
+    learned = submodule(module, ALPHA_ATTR)
     if learned is not None:
         values["alpha"] = learned().to(scores.device)
     return registry.REGISTRY[mapping].function(scores, dim=-1, **values)
@@ -280,7 +280,7 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
                            mapping=mapping, scaling=scaling, dropout=dropout if module.training else 0.0,
                            softcap=softcap, position_bias=position_bias, sinks=s_aux,
                            causal=is_causal(module, query.shape[-2], attention_mask, kwargs),
-                           weights=weights_requested(kwargs), options=own, learned=getattr(module, ALPHA_ATTR, None))
+                           weights=weights_requested(kwargs), options=own, learned=submodule(module, ALPHA_ATTR))
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -385,7 +385,7 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
     options = getattr(module, OPTIONS_ATTR, None)
     own = options.options if options is not None and options.mapping == mapping else entry.options()
     values, fixed_alpha = registry.option_values(own), entry.fenchel_young_alpha(own)
-    learned = getattr(module, ALPHA_ATTR, None)
+    learned = submodule(module, ALPHA_ATTR)
     alpha = learned().to(query.device) if learned is not None else None
     if alpha is not None and alpha.shape != (1, query.shape[1], 1, 1):
         return None

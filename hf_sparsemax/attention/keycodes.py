@@ -17,13 +17,17 @@ Memory: ``D + 4`` bytes a key (``D`` int8 codes and a float32 scale) against ``4
 SmolLM2's ``D = 64``), in slots of ``GROW`` keys. A layer whose step certifies less than ``MIN_CERTIFIED`` of its
 keys scores them all for the next ``RETRY`` steps (the codes are still written). On from
 :data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
+
+A paged cache (vLLM's, :mod:`hf_sparsemax.integrations.vllm.paged_attention`) hands its slots from request to
+request, so its codes are kept per slot (:class:`SlotCodes`, written with the slot's key) and the per-head bounds
+are taken over each request's slots by the kernel (``fused.c``: the certificate per slot).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM
+from .fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM, code_slots
 from .fused import decode as fused_decode
 
 GROW = 512  # key slots added at a time to a dynamic cache's codes
@@ -82,6 +86,50 @@ class KeyCodes:
         return self.codes.nbytes + self.scales.nbytes + self.bounds.nbytes
 
 
+class SlotCodes:
+    """The int8 certificate of a paged cache, per slot: ``codes [Hkv, S, D]`` int8 (laid out in blocks of
+    ``BLOCK`` slots, ``fused.c``'s ``code_at``), ``scales`` and ``residuals [Hkv, S]`` float32 (``S``: the cache's
+    slots rounded up to ``BLOCK``; a slot's residual ``||k - s_k c|| / s_k`` rounded up), ``certified [B Hkv]``
+    the last certified call's counts. Made from every slot of ``key_rows [slots, Hkv, D]`` (the cache's keys as
+    they are), then written for each slot as its key is written (:meth:`write`): a slot's codes are always those
+    of the key stored there, whichever request wrote it. ``D + 8`` bytes a slot and kv head."""
+
+    def __init__(self, key_rows: torch.Tensor) -> None:
+        slots, heads, dim = key_rows.shape
+        size, device = -(-slots // BLOCK) * BLOCK, key_rows.device
+        self.codes = torch.zeros(heads, size, dim, dtype=torch.int8, device=device)
+        self.scales = torch.full((heads, size), float("nan"), device=device)
+        self.residuals = torch.zeros(heads, size, device=device)
+        self.certified = torch.zeros(0, dtype=torch.int64, device=device)
+        self.wait = 0
+        self.written = self.write(key_rows, torch.arange(slots, device=device))  # False: no kernel (never used)
+
+    def write(self, key_rows: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Code the keys ``key_rows[slots]`` (one kernel call); False where the kernel is not there."""
+        return code_slots(key_rows, slots, self)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.residuals.nbytes
+
+
+def take_turn(codes: KeyCodes | SlotCodes) -> bool:
+    """Whether this step certifies (a layer that backed off scores every key for :data:`RETRY` steps)."""
+    certify = codes.wait == 0
+    codes.wait = max(codes.wait - 1, 0)
+    return certify
+
+
+def tally(codes: KeyCodes | SlotCodes, total: int) -> None:
+    """Count a certified step of ``total`` keys in :data:`COUNTS`; one that certified fewer than
+    :data:`MIN_CERTIFIED` of them makes the layer back off for :data:`RETRY` steps."""
+    certified = sum(max(count, 0) for count in codes.certified.tolist())  # a few kv heads: no torch op
+    COUNTS["calls"] += 1
+    COUNTS["keys"] += total
+    COUNTS["certified"] += certified
+    if certified < MIN_CERTIFIED * total:
+        codes.wait = RETRY
+
+
 def coded_attention(problem, summary, length: int) -> torch.Tensor | None:
     """``out [B, Hkv, G q, D]`` of a decoding step (:class:`.blocks.Problem`, keys ``[0, length)`` written) by the
     fused kernel with the int8 certificate (the codes on ``summary``, a :class:`.pages.PageSummary`), or None where
@@ -93,16 +141,8 @@ def coded_attention(problem, summary, length: int) -> torch.Tensor | None:
     if codes is None or not codes.fits(key):
         codes = summary.codes = KeyCodes(key)
     codes.reserve(length, key.shape[-2])
-    certify = codes.wait == 0
-    codes.wait = max(codes.wait - 1, 0)
+    certify = take_turn(codes)
     out = fused_decode(problem, problem.alpha, codes=codes, length=length, certify=certify)
-    if out is None or not certify:
-        return out
-    certified = int(codes.certified.clamp_min(0).sum())
-    total = key.shape[0] * key.shape[1] * length
-    COUNTS["calls"] += 1
-    COUNTS["keys"] += total
-    COUNTS["certified"] += certified
-    if certified < MIN_CERTIFIED * total:
-        codes.wait = RETRY
+    if out is not None and certify:
+        tally(codes, key.shape[0] * key.shape[1] * length)
     return out

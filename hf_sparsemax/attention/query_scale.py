@@ -128,12 +128,18 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """``module``'s submodule ``name``, or None: a dictionary lookup (``getattr`` with a default pays
+    ``nn.Module.__getattr__``'s exception on a miss, and attention calls ask on every step)."""
+    return module.__dict__.get("_modules", {}).get(name)
+
+
 def query_factor(module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
                  temperature: bool = True) -> torch.Tensor | None:
     """``lambda(pos) / T`` broadcastable to ``query [B, H, q, D]`` (None: the module scales nothing);
     ``temperature=False`` leaves the temperature out (calibration divides by its own)."""
-    heat = getattr(module, TEMPERATURE_ATTR, None) if temperature else None
-    length = getattr(module, LENGTH_SCALE_ATTR, None)
+    heat = submodule(module, TEMPERATURE_ATTR) if temperature else None
+    length = submodule(module, LENGTH_SCALE_ATTR)
     if heat is None and length is None:
         return None
     dtype, heads = scale_dtype(query.dtype), query.shape[1]

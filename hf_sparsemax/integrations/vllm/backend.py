@@ -98,10 +98,12 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             raise ValueError(f"{layer.layer_name}: hf_sparsemax serves causal decoder attention only")
         count = attn_metadata.num_actual_tokens
         plan = step_of(attn_metadata, kv_cache, query[:count])
-        if self.kv_sharing_target_layer_name is None and key is not None:  # vLLM's condition for a cache update
+        written = self.kv_sharing_target_layer_name is None and key is not None  # vLLM's condition for an update
+        if written:
             write_cache(kv_cache, key, value, plan.batch.slot_mapping, plan)
         rows = query[:count] if self.query_scales is None else self.query_scales.apply(query[:count], plan.batch)
-        paged_attention(rows, kv_cache, plan.batch, self.scale, self.attention, output[:count], plan)
+        paged_attention(rows, kv_cache, plan.batch, self.scale, self.attention, output[:count], plan,
+                        *((key, value) if written else (None, None)))  # a whole new prompt: its own keys
         return output
 
 

@@ -31,26 +31,42 @@ alpha per head and solver, the fused kernel's blocks included). The mappings the
 attention leave out (``sparse_softmax``, alphas solved in float64, float16 caches) are scored and solved here
 (:func:`attend`), queries in blocks whose scores stay within
 :data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
-once a layer (a host read); no other value is read on the host.
+once a layer (a host read); no other value is read on the host. A request whose whole prompt is new in the step
+(no cached prefix, not a later chunk) is attended over the step's own keys and values (as written: cast to the
+cache's dtype), not gathered back out of the cache.
+
+The int8 key certificate (:mod:`hf_sparsemax.attention.keycodes`). The first decode step of a layer with a
+request of at least :data:`~hf_sparsemax.attention.pages.MIN_KEYS` keys (``HF_SPARSEMAX_KV_SKIP=0``: never;
+cache blocks of a multiple of its ``BLOCK`` slots) makes the cache's :class:`~.keycodes.SlotCodes`, coding every
+slot as it is; from then on :func:`write_cache` codes each slot it writes in the same step (one kernel call), so
+a slot's codes are always its present key's, and the decode steps read only the keys the certificate does not
+exclude (the same output bit for bit). The codes are kept per cache tensor (:data:`SLOT_CODES`), so layers that
+share a cache share them; :func:`certificate_bytes` reports their memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...attention.blocks import HALF, block_queries, threshold_attention
-from ...attention.fused import paged_decode
+from ...attention.fused import KEY_DTYPES, paged_decode
 from ...attention.interface import AttentionOptions
+from ...attention.keycodes import BLOCK, KeyCodes, SlotCodes, take_turn, tally
+from ...attention.pages import MIN_KEYS
+from ...attention.pages import enabled as skipping_enabled
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
 from ...mappings.entmax import precise_in_float32
 from ...settings import SparseSettings
 
 MIN_SCORES = 4096  # scores of a call from which the compiled threshold kernel solves them (fewer: the eager solver)
+SLOT_CODES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a cache tensor -> its SlotCodes (layers sharing it too)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -204,7 +220,8 @@ def causal_mask(first: int, stop: int, length: int, new: int, dtype: torch.dtype
 
 
 class DecodePlan(NamedTuple):
-    """The requests of a step with one new token each, as one padded batch of ``requests x keys`` keys."""
+    """The requests of a step with one new token each, as one padded batch of ``requests x keys`` keys
+    (``seen``: their keys in all, padding left out)."""
 
     tokens: slice | torch.Tensor  # their query rows (a slice when they are consecutive)
     index: torch.Tensor  # their keys and values in the cache (:func:`gather_index`; padding: a request's first key)
@@ -212,6 +229,7 @@ class DecodePlan(NamedTuple):
     mask: torch.Tensor | None  # [requests, 1, 1, 1, keys] additive: finfo.min on the padding (None: no padding)
     requests: int
     keys: int
+    seen: int
 
 
 class PrefillBlock(NamedTuple):
@@ -282,7 +300,8 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
             mask = mask[:, None, None, None]
         slots = key_slots(table[index], decode_lengths, block_size, keys)
         decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
-                            gather_index(slots, kv_heads), slots, mask, len(decoding), keys)
+                            gather_index(slots, kv_heads), slots, mask, len(decoding), keys,
+                            sum(lengths[request] for request in decoding))
     prefills, entries = [], sum(count * lengths[request] for request, count in enumerate(new) if count > 1)
     for request in (request for request, count in enumerate(new) if count > 1):
         length, count = lengths[request], new[request]
@@ -318,6 +337,32 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         slots, kept = plan.write_slots, plan.write_rows
     key, value = (key[: len(slots)], value[: len(slots)]) if kept is None else (key[kept], value[kept])
     rows.index_copy_(0, slots, torch.stack([key, value], 1).to(rows.dtype))
+    codes = SLOT_CODES.get(kv_cache)
+    if codes is not None:  # the certificate's codes of the slots just written (their new keys)
+        codes.write(rows[:, 0], slots)
+
+
+def slot_codes(kv_cache: torch.Tensor, decode: DecodePlan, block_size: int) -> SlotCodes | None:
+    """The cache's :class:`~.keycodes.SlotCodes` for a decode batch the certificate serves (a request of at least
+    ``MIN_KEYS`` keys, skipping on, cache blocks of whole code blocks, a head size the codes serve), made and
+    coded from the cache's keys the first time; None elsewhere."""
+    if decode.keys < MIN_KEYS or block_size % BLOCK or not skipping_enabled():
+        return None
+    codes = SLOT_CODES.get(kv_cache)
+    if codes is None:
+        keys = cache_rows(kv_cache)[:, 0]
+        if keys.dtype not in KEY_DTYPES or not KeyCodes.serves(keys):
+            return None
+        codes = SLOT_CODES[kv_cache] = SlotCodes(keys)
+        logging.getLogger(__name__).info("hf_sparsemax: the int8 key certificate of a %d-slot paged cache: %.1f MiB "
+                                         "(all such caches: %.1f MiB)", keys.shape[0], codes.nbytes() / 2 ** 20,
+                                         certificate_bytes() / 2 ** 20)
+    return codes if codes.written else None
+
+
+def certificate_bytes() -> int:
+    """Bytes of the int8 certificate's codes kept beside the live paged caches (:data:`SLOT_CODES`)."""
+    return sum(codes.nbytes() for codes in SLOT_CODES.values())
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -341,17 +386,23 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
 
 
 def kernel_decode(rows: torch.Tensor, kv_cache: torch.Tensor, decode: DecodePlan, scale: float,
-                  attention: SparseAttention) -> torch.Tensor | None:
+                  attention: SparseAttention, block_size: int | None = None) -> torch.Tensor | None:
     """Output ``[R, H, 1, D]`` (float32) of the decode requests' ``rows [R, Hkv, G, 1, D]`` by the fused kernel
     (:func:`hf_sparsemax.attention.fused.paged_decode`: the cache read in place through the requests' slots, no
-    gather; the exact threshold on each row's candidates, ``P V`` over the support), or None where it does not
-    serve the call (then :func:`attend` on gathered rows)."""
+    gather; the exact threshold on each row's candidates, ``P V`` over the support; with ``block_size``, the
+    cache's, the int8 certificate where :func:`slot_codes` serves it), or None where it does not serve the call
+    (then :func:`attend` on gathered rows)."""
     batch, kv_heads, groups, _, dim = rows.shape
     alpha = attention.kernel_alpha(kv_heads, groups)
     if alpha is None or rows.dtype not in (torch.float32, *HALF):
         return None
     cache = cache_rows(kv_cache)
-    out = paged_decode(rows.float(), cache[:, 0], cache[:, 1], decode.slots, decode.mask, alpha, scale)
+    codes = None if block_size is None else slot_codes(kv_cache, decode, block_size)
+    certify = codes is not None and take_turn(codes)
+    out = paged_decode(rows.float(), cache[:, 0], cache[:, 1], decode.slots, decode.mask, alpha, scale,
+                       codes=codes if certify else None)
+    if out is not None and certify:
+        tally(codes, kv_heads * decode.seen)
     return None if out is None else out.view(batch, kv_heads * groups, 1, -1)
 
 
@@ -382,9 +433,11 @@ def blocked_prefill(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
                     attention: SparseAttention, output: torch.Tensor | None = None,
-                    plan: StepPlan | None = None) -> torch.Tensor:
+                    plan: StepPlan | None = None, key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse attention of ``query [tokens, H, D]`` over each request's cached keys (the step's own keys already
-    written by :func:`write_cache`); ``plan``: the step's :func:`step_plan` (built here when not given).
+    written by :func:`write_cache`); ``plan``: the step's :func:`step_plan` (built here when not given); ``key`` /
+    ``value [tokens, Hkv, D]``: the step's own, as written (or None): a whole new prompt reads them, not the cache.
 
     Returns ``[tokens, H, D]`` (into ``output`` when given); rows past ``query_start_loc[-1]`` are left as they are.
     """
@@ -397,14 +450,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
     if plan.decode is not None:  # one padded batch: a row for each request
         decode = plan.decode
         rows = query[decode.tokens].view(decode.requests, kv_heads, groups, 1, dim)
-        found = kernel_decode(rows, kv_cache, decode, scale, attention)
+        found = kernel_decode(rows, kv_cache, decode, scale, attention, plan.block_size)
         if found is None:  # the general path: the keys and values gathered, the registry's solver
             keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
             found = attend(rows, keys, values, decode.mask, scale, attention)
         out[decode.tokens] = found.view(decode.requests, heads, dim).to(out.dtype)
     for request in plan.prefills:
-        keys, values = gather(kv_cache, request.index, 1, request.length)
         count = request.stop - request.start
+        if key is not None and value is not None and count == request.length and plan.write_rows is None:
+            here = slice(request.start, request.stop)  # a whole new prompt: its keys are the step's own, as written
+            keys, values = (t[here].to(kv_cache.dtype).transpose(0, 1)[None] for t in (key, value))
+        else:  # a chunk or a cached prefix: its keys gathered out of the cache
+            keys, values = gather(kv_cache, request.index, 1, request.length)
         found = blocked_prefill(query[request.start : request.stop], keys, values, request.length, scale, attention)
         if found is not None:  # transformers' blocked attention (and its fused kernel's blocks)
             out[request.start : request.stop] = found.to(out.dtype)
