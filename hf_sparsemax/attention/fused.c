@@ -38,6 +38,8 @@ typedef struct {
     int64_t j;
 } candidate;
 
+enum { CHUNK = 16 }; /* scores a candidate test, candidates a weights pass (a few vectors: no solver constant) */
+
 static int by_z_descending(const void *a, const void *b) {
     double x = ((const candidate *)a)->z, y = ((const candidate *)b)->z;
     return (x < y) - (x > y);
@@ -72,43 +74,147 @@ static double closed_form(const candidate *c, int64_t n, double alpha) {
     return tau;
 }
 
-/* tau of candidates in any order, any alpha in (1, 2]: Newton's method on the convex, decreasing
-   h(tau) = (sum relu(z - tau) ** beta) ** (alpha - 1) - 1 from tau = -1 (h >= 0 there), inside the bracket
-   [lo, hi] (a bisection step where Newton's leaves it), until a step moves tau by at most p->tolerance, at most
-   p->max_iter steps (the eager solver's rule and cap). For sparsemax (beta = 1) this is Michelot's algorithm; beta = 1 and 2 need no pow.
-   Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to every later sum: once a pass finds
-   h > 0 (lo = tau), the candidates it found at or below tau are dropped (moved past the *n kept ones, which
-   keep their order). From tau = -1, Newton's iterates rise to the root, so most passes drop keys: a row with
-   many candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
+/* The coefficients, highest power first: ln m / (2 s) = sum_i s^(2i) / (2i + 1), i <= 9; exp r = sum_i r^i / i!,
+   i <= 13 (each rounded once, by the compiler). */
+static const double LOG_SERIES[] = {1.0 / 19, 1.0 / 17, 1.0 / 15, 1.0 / 13, 1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5,
+                                    1.0 / 3, 1.0};
+static const double EXP_SERIES[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                                    1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                                    1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+
+static inline double horner(const double *coefficient, int terms, double x) {
+    double sum = coefficient[0];
+    for (int i = 1; i < terms; i++) sum = sum * x + coefficient[i];
+    return sum;
+}
+
+/* u ** e for finite u >= DBL_MIN and e >= -1 with u ** e <= 2^1000 (the solver's u = z - tau lie in (0, 2)), as
+   2^(e log2 u) in double arithmetic alone, so that a loop of them vectorises (libm's pow is a call per element):
+
+       u = 2^k m, m in [sqrt(1/2), sqrt(2)),   ln m = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...),  s = (m - 1)/(m + 1),
+
+   |s| <= 0.1716, s^2 <= 0.02944: the terms to s^19 leave a relative remainder below 0.02944^10 / 21 < 3e-17; then
+   y = e (k + ln m / ln 2), y = n + f (n the nearest integer, f = y - n exact, |f| <= 1/2) and 2^f = exp(r),
+   r = f ln 2, |r| <= 0.3466, by its Taylor series to r^13 (remainder below 0.3466^14 / 14! < 5e-18), times 2^n
+   built in the exponent bits. Rounding: ln m carries a relative error of a few u (u = 2^-53: m - 1 is exact, m + 1,
+   the quotient and the Horner steps round once each, the terms decreasing by s^2), k + ln m / ln 2 at most 10 u of
+   itself (|k + log2 m| >= |log2 m| and >= |k| / 2), so y carries an absolute error below 11 u |y|, and the result a
+   relative error below (8 |y| + 4) u (11 ln 2 |y| u < 8 |y| u from y, 4 u from r and the series): below 1e-14 for every
+   result above 2^-9, and an absolute error below 2e-15 for u <= 1, e >= 0 (8 |y| 2^-|y| <= 4.3). A result below
+   2^-1022 is flushed to 0 (absolute error below 2^-1022). NaN, inf and u <= 0 are not in the domain: the caller
+   never passes them (rows with NaN or +inf scores are not solved, u > 0 is tested). */
+static inline double power(double u, double e) {
+    uint64_t bits, mantissa, at;
+    memcpy(&bits, &u, sizeof bits);
+    mantissa = (bits & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL; /* m in [1, 2) */
+    at = 0x4330000000000000ULL | (bits >> 52);                          /* 2^52 + the biased exponent, exactly */
+    double m, k;
+    memcpy(&m, &mantissa, sizeof m);
+    memcpy(&k, &at, sizeof k);
+    k -= 0x1p52 + 1023.0;
+    int high = m > 0x1.6a09e667f3bcdp+0; /* sqrt(2) */
+    m = high ? 0.5 * m : m;
+    k = high ? k + 1.0 : k;
+    double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double series = horner(LOG_SERIES, sizeof LOG_SERIES / sizeof *LOG_SERIES, s2);
+    double y = e * (k + (2.0 * s * series) * 0x1.71547652b82fep+0); /* 1 / ln 2 */
+    y = y < -1080.0 ? -1080.0 : y > 1000.0 ? 1000.0 : y;
+    double shifted = y + 0x1.8p52, n = shifted - 0x1.8p52; /* n: y rounded to the nearest integer */
+    double r = (y - n) * 0x1.62e42fefa39efp-1;               /* ln 2 */
+    double t = horner(EXP_SERIES, sizeof EXP_SERIES / sizeof *EXP_SERIES, r);
+    uint64_t scale_bits;
+    memcpy(&scale_bits, &shifted, sizeof scale_bits);
+    scale_bits = (scale_bits - 0x4338000000000000ULL + 1023) << 52; /* 2^n, where n >= -1022 */
+    double scale;
+    memcpy(&scale, &scale_bits, sizeof scale);
+    return n < -1022.0 ? 0.0 : t * scale;
+}
+
+/* out[i] = power(u[i], e) for i < n (u[i] in power's domain): the tests pin power to libm's pow through it. */
+void hf_sparsemax_power(const double *u, int64_t n, double e, double *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = power(u[i], e);
+}
+
+/* Over c[0..n), u_k = relu(z_k - tau): the sums F = sum u ** beta, S1 = sum u ** (beta - 1) and
+   S2 = sum_{u > 0} u ** (beta - 2), beta = 1 / (alpha - 1) >= 1 (no pow for beta 1 and 2), in a loop that
+   vectorises. */
+static void power_sums(const candidate *c, int64_t n, double tau, double beta, double *sums) {
+    double f = 0.0, s1 = 0.0, s2 = 0.0, e = beta - 2.0;
+    if (beta == 1.0 || beta == 2.0) {
+#pragma omp simd reduction(+ : f, s1, s2)
+        for (int64_t k = 0; k < n; k++) {
+            double u = c[k].z - tau, w = u > 0.0 ? (beta == 1.0 ? 1.0 : u) : 0.0; /* S2: beta 2 only */
+            f += w * u;
+            s1 += w;
+            s2 += u > 0.0 && beta == 2.0;
+        }
+    } else {
+#pragma omp simd reduction(+ : f, s1, s2)
+        for (int64_t k = 0; k < n; k++) {
+            double u = c[k].z - tau, v = u > 0.0 ? power(u > 0.0 ? u : 1.0, e) : 0.0, w = v * u;
+            f += w * u;
+            s1 += w;
+            s2 += v;
+        }
+    }
+    sums[0] = f;
+    sums[1] = s1;
+    sums[2] = s2;
+}
+
+/* The weights relu(z_k - tau) ** (e + 1) of c[0..count), e = 1 / (alpha - 1) - 1 (no pow for alpha 2 and 1.5),
+   in w (-1 where z_k <= tau), in a loop that vectorises. */
+static void support_weights(const candidate *c, int64_t count, double tau, double alpha, double e, double *w) {
+    if (alpha == 2.0 || alpha == 1.5) {
+#pragma omp simd
+        for (int64_t k = 0; k < count; k++) {
+            double u = c[k].z - tau;
+            w[k] = u > 0.0 ? (alpha == 2.0 ? u : u * u) : -1.0;
+        }
+    } else {
+#pragma omp simd
+        for (int64_t k = 0; k < count; k++) {
+            double u = c[k].z - tau;
+            w[k] = u > 0.0 ? u * power(u > 0.0 ? u : 1.0, e) : -1.0;
+        }
+    }
+}
+
+/* tau of candidates in any order, any alpha in (1, 2]: Halley's method (Newton's where its correction is large) on
+   the convex, decreasing h(tau) = F ** (alpha - 1) - 1, F = sum relu(z - tau) ** beta, from tau = -1 (h >= 0
+   there), inside the bracket [lo, hi] (a bisection step where a step leaves it), until a step moves tau by at
+   most p->tolerance, at most p->max_iter steps (the eager solver's rule and cap). With S1, S2 of power_sums,
+   h' = -F ** (alpha - 2) S1 and h'' = (beta - 1) F ** (alpha - 3) (F S2 - S1^2) >= 0 (Cauchy-Schwarz), so
+   Halley's step is Newton's, h F ** (2 - alpha) / S1 = h (F / norm) / S1, divided by 1 - b with
+   b = h h'' / (2 h'^2) = h (beta - 1) (F S2 / S1^2 - 1) / (2 norm): used where |b| < 1/2. For sparsemax (beta = 1,
+   b = 0) this is Michelot's algorithm. Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to
+   every later sum: once a pass finds h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept
+   ones keep their order). The iterates rise to the root from tau = -1, so most passes drop keys: a row with many
+   candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
 static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
     double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
     int64_t n = *count;
     for (int64_t it = 0; it < p->max_iter; it++) {
-        double total = 0.0, slope = 0.0;
-        int64_t kept = 0;
-        for (int64_t k = 0; k < n; k++) {
-            double u = c[k].z - tau;
-            if (u <= 0.0) continue;
-            if (kept != k) { /* the kept ones to the front, in order; the others behind them */
-                candidate swap = c[kept];
-                c[kept] = c[k];
-                c[k] = swap;
-            }
-            kept++;
-            double power = beta == 1.0 ? 1.0 : beta == 2.0 ? u : pow(u, beta - 1.0); /* u ** (beta - 1) */
-            total += power * u;
-            slope += power;
-        }
+        double sums[3];
+        power_sums(c, n, tau, beta, sums);
+        double total = sums[0], slope = sums[1];
         double norm = alpha == 2.0 ? total : alpha == 1.5 ? sqrt(total) : pow(total, am1), h = norm - 1.0;
         if (h > 0) {
             lo = tau;
+            int64_t kept = 0;
+            for (int64_t k = 0; k < n; k++) { /* the kept ones to the front, in order */
+                c[kept] = c[k];
+                kept += c[k].z > tau;
+            }
             n = kept; /* the others are at or below lo: weight 0 at every tau from here on */
         } else {
             hi = tau;
         }
         double step = (lo + hi) / 2.0;
         if (slope > 0) {
-            double proposal = tau + h * (total / norm) / slope;
+            double newton_step = h * (total / norm) / slope;
+            double bend = h * (beta - 1.0) * (total * sums[2] / (slope * slope) - 1.0) / (2.0 * norm);
+            double proposal = tau + (bend < 0.5 && bend > -0.5 ? newton_step / (1.0 - bend) : newton_step);
             if (proposal >= lo && proposal <= hi) step = proposal;
         }
         int converged = fabs(step - tau) <= p->tolerance;
@@ -134,9 +240,10 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
     float masked = p->masked;
     float top = -INFINITY;
     int broken = 0;
-    for (int64_t j = 0; j < keys; j++) {
-        if (isnan(s[j]) || s[j] == INFINITY) broken = 1;
-        if (s[j] > top) top = s[j];
+#pragma omp simd reduction(max : top) reduction(| : broken)
+    for (int64_t j = 0; j < keys; j++) { /* (top is not used where a score is NaN) */
+        broken |= !(s[j] < INFINITY);
+        top = s[j] > top ? s[j] : top;
     }
     if (tau_out) *tau_out = NAN; /* until solved: rows with NaN or +inf, and rows that see no key */
     if (broken) {
@@ -145,13 +252,22 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
     }
     memset(oi, 0, sizeof(float) * value_dim);
     if (top <= masked) return; /* sees no key */
-    double am1 = alpha - 1.0;
+    double am1 = alpha - 1.0, margin = -p->candidate_margin;
+    /* A score at or below `cut` is no candidate: cut is, for the test below, not one, and the test is monotone in
+       the score (each rounding is), so a chunk of scores all at or below it is passed over. */
+    float cut = (float)((double)top + margin / am1);
+    while (((double)cut - (double)top) * am1 > margin) cut = nextafterf(cut, -INFINITY);
     int64_t n = 0;
-    for (int64_t j = 0; j < keys; j++) {
-        double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
-        if (z > -p->candidate_margin) {
+    for (int64_t start = 0; start < keys; start += CHUNK) {
+        int64_t stop = keys - start < CHUNK ? keys : start + CHUNK;
+        int any = 0;
+#pragma omp simd reduction(| : any)
+        for (int64_t j = start; j < stop; j++) any |= s[j] > cut;
+        for (int64_t j = start; any && j < stop; j++) { /* chosen has room for keys + 1: n <= j stays in it */
+            double z = ((double)s[j] - (double)top) * am1; /* exact difference, as the eager solver's */
             chosen[n].z = z;
-            chosen[n++].j = index ? index[j] : j;
+            chosen[n].j = index ? index[j] : j;
+            n += z > margin;
         }
     }
     double tau;
@@ -162,13 +278,16 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
         tau = newton(chosen, &n, alpha, p); /* n: the candidates above the bracket's low end */
     }
     if (tau_out) *tau_out = tau;
-    double beta = 1.0 / am1;
-    for (int64_t k = 0; k < n; k++) {
-        double u = chosen[k].z - tau;
-        if (u <= 0.0) continue;
-        float weight = (float)(alpha == 2.0 ? u : alpha == 1.5 ? u * u : pow(u, beta));
-        int64_t at = (slot_row ? slot_row[chosen[k].j] : chosen[k].j) * v_n;
-        for (int64_t d = 0; d < value_dim; d++) oi[d] += weight * widen(value, at + d, bf16);
+    double e = 1.0 / am1 - 1.0, weights[CHUNK];
+    for (int64_t start = 0; start < n; start += CHUNK) { /* the weights of a chunk of candidates (-1: not in the */
+        int64_t count = n - start < CHUNK ? n - start : CHUNK; /* support), then their value rows */
+        support_weights(chosen + start, count, tau, alpha, e, weights);
+        for (int64_t k = 0; k < count; k++) {
+            if (weights[k] < 0.0) continue;
+            float weight = (float)weights[k];
+            int64_t j = chosen[start + k].j, at = (slot_row ? slot_row[j] : j) * v_n;
+            for (int64_t d = 0; d < value_dim; d++) oi[d] += weight * widen(value, at + d, bf16);
+        }
     }
 }
 
