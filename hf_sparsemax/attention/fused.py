@@ -135,12 +135,15 @@ def available() -> bool:
 
 def within_storage(tensor: torch.Tensor) -> bool:
     """Whether every element the sizes and strides reach lies inside the tensor's storage (no negative stride)."""
-    last = tensor.storage_offset()
-    for size, stride in zip(tensor.shape, tensor.stride()):  # a plain loop: this runs on every decoding call
-        if stride < 0:
-            return False
-        last += (size - 1) * stride
-    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+    if tensor.is_contiguous():  # the common case: elements offset .. offset + numel - 1
+        end = tensor.storage_offset() + tensor.numel()
+    else:
+        end = tensor.storage_offset() + 1
+        for size, stride in zip(tensor.shape, tensor.stride()):  # a plain loop: this runs on every decoding call
+            if stride < 0:
+                return False
+            end += (size - 1) * stride
+    return end * tensor.element_size() <= tensor.untyped_storage().nbytes()
 
 
 def checked(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], device: torch.device) -> torch.Tensor:

@@ -336,7 +336,8 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     else:
         slots, kept = plan.write_slots, plan.write_rows
     key, value = (key[: len(slots)], value[: len(slots)]) if kept is None else (key[kept], value[kept])
-    rows.index_copy_(0, slots, torch.stack([key, value], 1).to(rows.dtype))
+    rows[:, 0].index_copy_(0, slots, key.to(rows.dtype))  # in place, key and value apart: no stacked copy
+    rows[:, 1].index_copy_(0, slots, value.to(rows.dtype))
     codes = SLOT_CODES.get(kv_cache)
     if codes is not None:  # the certificate's codes of the slots just written (their new keys)
         codes.write(rows[:, 0], slots)
