@@ -57,6 +57,7 @@ CERTIFICATE = {  # the int8 certificate's constants (fused.c, its proof): #defin
     "SUM_SLACK": 1e-5,  # E's allowance this * (|t| + |m|): the float32 roundings of t, the scaling and the mask
     "CUT_SLACK": 1e-9,  # the candidates' cut lowered by this / (alpha - 1): z's rounding in double
 }
+MIN_PARALLEL_WORK = 1 << 15  # scores of a call (keys x dims to code) from which the kernel runs on several threads
 MAX_CODED_DIM = 512  # head sizes whose int16 x int8 code products stay exact in int32 (fused.c)
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 _failed: list[str] = []
@@ -164,10 +165,21 @@ def checked(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], devi
     return tensor
 
 
+def kernel_threads(work: int) -> int:
+    """OpenMP threads for a call of ``work`` scores (or keys to code): torch's thread count from
+    ``MIN_PARALLEL_WORK`` on, one thread below. The kernel's OpenMP pool is not torch's (the system's libgomp beside
+    the one torch ships), so a parallel region wakes threads that compete with torch's still-spinning ones: on a
+    small call (vLLM decoding a batch of short requests: a few thousand scores a layer) that costs more than it
+    saves (vLLM, entmax15, batch 8 on 2 cores: 0.81x the softmax twin's tokens/s on two threads, 1.00x on one)."""
+    return torch.get_num_threads() if work >= MIN_PARALLEL_WORK else 1
+
+
 def solver_params(**fields) -> Params:
-    """A :class:`Params` with the solver's constants from the Python solvers and the given fields."""
+    """A :class:`Params` with the solver's constants from the Python solvers and the given fields (the threads
+    from the call's scores, :func:`kernel_threads`)."""
+    work = fields.get("batch", 1) * fields.get("kv_heads", 1) * fields.get("rows", 1) * fields.get("keys", 1)
     return Params(tolerance=TOLERANCE, candidate_margin=CANDIDATE_MARGIN, max_iter=MAX_ITER, sort_below=SORT_BELOW,
-                  masked=masked_below(torch.float32), threads=torch.get_num_threads(), **fields)
+                  masked=masked_below(torch.float32), threads=kernel_threads(work), **fields)
 
 
 def new_output(*shape: int) -> torch.Tensor:
@@ -283,7 +295,7 @@ def code_slots(key_rows: torch.Tensor, slots: torch.Tensor, codes) -> bool:
                     k_h=key_rows.stride(1), k_n=key_rows.stride(0), bf16=KEY_DTYPES[key_rows.dtype],
                     codes=codes.codes.data_ptr(), code_scales=codes.scales.data_ptr(),
                     code_residuals=codes.residuals.data_ptr(), c_h=size, slots=slots.data_ptr(),
-                    threads=torch.get_num_threads())
+                    threads=kernel_threads(slots.numel() * key_rows.shape[1] * key_rows.shape[2]))
     library().hf_sparsemax_code_slots(ctypes.byref(params))
     return True
 
