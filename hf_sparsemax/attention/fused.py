@@ -127,6 +127,8 @@ def library():
     for name in ("hf_sparsemax_decode", "hf_sparsemax_rows", "hf_sparsemax_code_slots"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.POINTER(Params)]
+    lib.hf_sparsemax_power.restype = None
+    lib.hf_sparsemax_power.argtypes = [_PTR, _I64, _F64, _PTR]
     return lib
 
 
@@ -257,6 +259,13 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     return None if stopped else out
 
 
+def check_slots(slots: torch.Tensor, rows: int) -> None:
+    """A ValueError where a slot lies outside the cache's ``rows`` rows (one reduction, one host read)."""
+    low, high = torch.aminmax(slots)
+    if int(low) < 0 or int(high) >= rows:
+        raise ValueError(f"fused attention kernel: a slot outside the cache's {rows} rows")
+
+
 def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     """The slots ``S`` of a paged cache's codes (:class:`.keycodes.SlotCodes`) for ``key_rows [slots, Hkv, D]``:
     ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32, ``S`` a multiple of ``CODE_BLOCK``
@@ -289,8 +298,7 @@ def code_slots(key_rows: torch.Tensor, slots: torch.Tensor, codes) -> bool:
     slots = slots.to(device=key_rows.device, dtype=torch.int64).contiguous()
     if slots.numel() == 0:
         return True
-    if int(slots.min()) < 0 or int(slots.max()) >= key_rows.shape[0]:
-        raise ValueError(f"fused attention kernel: a slot outside the cache's {key_rows.shape[0]} rows")
+    check_slots(slots, key_rows.shape[0])
     params = Params(kv_heads=key_rows.shape[1], keys=slots.numel(), dim=key_rows.shape[2], key=key_rows.data_ptr(),
                     k_h=key_rows.stride(1), k_n=key_rows.stride(0), bf16=KEY_DTYPES[key_rows.dtype],
                     codes=codes.codes.data_ptr(), code_scales=codes.scales.data_ptr(),
@@ -320,8 +328,7 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     checked("key rows", key_rows, (None, kv_heads, dim), device)
     checked("value rows", value_rows, (key_rows.shape[0], kv_heads, None), device)
     slots = checked("slots", slots.to(torch.int64).contiguous(), (batch, keys), device)
-    if int(slots.min()) < 0 or int(slots.max()) >= key_rows.shape[0]:
-        raise ValueError(f"fused attention kernel: a slot outside the cache's {key_rows.shape[0]} rows")
+    check_slots(slots, key_rows.shape[0])
     per_row = row_alphas(alpha, kv_heads, groups * rows, device)
     if per_row is None:
         return None
@@ -408,8 +415,6 @@ def kernel_power(u: torch.Tensor, e: float) -> torch.Tensor | None:
         return None
     u = u.to(torch.float64).contiguous()
     out = torch.empty_like(u)
-    lib.hf_sparsemax_power.restype = None
-    lib.hf_sparsemax_power.argtypes = [_PTR, _I64, _F64, _PTR]
     lib.hf_sparsemax_power(u.data_ptr(), u.numel(), float(e), out.data_ptr())
     return out
 
