@@ -240,9 +240,11 @@ def attention_forward(
     H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor, tolerance, norm_tolerance, max_passes, speculate,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     HIST_BINS: tl.constexpr, HIST_ITER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Output ``O``, thresholds ``T`` (``m + tau / am1``, score units; ``+inf`` for a row that sees no key, NaN for a
+    """Output ``O`` (``HEAD_DV`` columns: the value head size, any power of 2 beside the query / key ``HEAD_D``),
+    thresholds ``T`` (``m + tau / am1``, score units; ``+inf`` for a row that sees no key, NaN for a
     row not settled), the live tiles ``LIVE`` (some weight nonzero) of one block of query rows, and its work
     ``WORK``: passes over the keys and key tiles visited (two int32, a counter for benchmarks and tests).
 
@@ -259,6 +261,7 @@ def attention_forward(
     beta = 1.0 / am1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=offs_m[:, None] < n_q,
                 other=0.0)
@@ -297,7 +300,7 @@ def attention_forward(
     # tolerance), the pass that certifies them also adds P V at the current tau and writes the output: the output
     # pass is saved; the rows it certifies keep that tau (within the tolerance of the next), and if any row is not
     # certified the pass's P V is dropped and the passes go on. (The sums of P V live inside that branch only: no
-    # [BLOCK_M, HEAD_D] accumulator held through the other passes.)
+    # [BLOCK_M, HEAD_DV] accumulator held through the other passes.)
     general = (alpha != 2.0) & (alpha != 1.5)
     last = tl.full([BLOCK_M], float("inf"), tl.float32)  # each row's last step
     finished = 0
@@ -313,7 +316,7 @@ def attention_forward(
         curve = tl.full([BLOCK_M], 0.0, tl.float32)  # sum u ** (beta - 2) (Halley's step, other alphas)
         hold = done  # rows whose tau stays
         if spec:  # two loops, each without a branch in its body (pipelined loads)
-            acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+            acc = tl.full([BLOCK_M, HEAD_DV], 0.0, tl.float32)
             for i in range(0, n_live):
                 j = tl.load(LIST + tiles + i)
                 offs_n = j * BLOCK_N + offs_b
@@ -321,7 +324,7 @@ def attention_forward(
                             scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
                 p, count, total, slope, lowest, curve = _tile_sums(x, m, tau, alpha, am1, beta, general, count,
                                                                    total, slope, lowest, curve)
-                v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+                v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, mask=offs_n[:, None] < n_kv,
                             other=0.0)
                 acc += _dot(p.to(v.dtype), v, PRECISION)
                 tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
@@ -330,8 +333,8 @@ def attention_forward(
             hold = done | settled
             finished = tl.where(_sum(tl.where(hold, 0, 1)) == 0, 1, 0)
             if finished != 0:
-                _finish(acc, total, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob,
-                        soh, som, sod)
+                _finish(acc, total, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_dv, n_q,
+                        sob, soh, som, sod)
         else:
             for i in range(0, n_live):
                 j = tl.load(LIST + tiles + i)
@@ -353,7 +356,7 @@ def attention_forward(
     if finished == 0:
         n_live = _live_tiles(TMAX, LIST, tiles, n_tiles, m, tl.where(done, tau, -1.0), am1, BLOCK_M, SKIP)
         visits += n_live
-        acc = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_DV], 0.0, tl.float32)
         mass = tl.full([BLOCK_M], 0.0, tl.float32)
         for i in range(0, n_live):
             j = tl.load(LIST + tiles + i)
@@ -363,24 +366,24 @@ def attention_forward(
             u = tl.maximum(am1 * (x - m[:, None]) - tau[:, None], 0.0)
             p, s = _weights(u, alpha, beta)
             mass += _sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv,
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, mask=offs_n[:, None] < n_kv,
                         other=0.0)
             acc += _dot(p.to(v.dtype), v, PRECISION)
             tl.store(LIVE + tiles + j, tl.where(_max(p) > 0, 1, 0))
-        _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_d, n_q, sob, soh, som,
-                sod)
+        _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, offs_m, offs_dv, n_q, sob, soh,
+                som, sod)
     tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2, 2 + passes - finished)
     tl.store(WORK + (pid_bh * n_mblocks + pid_m) * 2 + 1, visits)
 
 
 @device_function
-def _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, t, alpha, am1, beta, n_q, n_kv,
+def _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, offs_dv, t, alpha, am1, beta, n_q, n_kv,
           skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
           HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of the backward: ``(k, p, s, g)`` with ``g = dO v^T``."""
     offs_n = start_n + offs_b
     k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=offs_n[:, None] < n_kv, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, mask=offs_n[:, None] < n_kv, other=0.0)
     x = _dot(q, tl.trans(k), PRECISION) * scaling
     x = _mask_scores(x, M, b, h, offs_m, offs_n, n_q, n_kv, smb, smh, smm, smn, mask_floor,
                      HAS_MASK, MASK_BOOL, CAUSAL)
@@ -396,7 +399,8 @@ def attention_backward_rows(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sdb, sdh, sdm, sdd,
     H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, ALPHA_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Per row: ``DELTA = <s, g> / <s, 1>`` and, for a learned alpha, the row's ``d alpha``:
     ``beta^2 (<g, p> - DELTA) - beta (<g, p log p> - DELTA <p, log p>)``."""
@@ -410,10 +414,12 @@ def attention_backward_rows(
     beta = 1.0 / am1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
     row = offs_m < n_q
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=row[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd, mask=row[:, None],
+                 other=0.0)
     t = tl.load(T + pid_bh * n_q + offs_m, mask=row, other=float("inf"))
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -430,9 +436,9 @@ def attention_backward_rows(
     for start_n in range(0, hi, BLOCK_N):  # the next tile's bit read ahead: its latency overlaps this tile's work
         upcoming = tl.load(LIVE + tiles + start_n // BLOCK_N + 1, mask=start_n + BLOCK_N < hi, other=0)
         if flag != 0:
-            k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, t, alpha, am1,
-                                     beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
-                                     HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+            k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, offs_dv, t,
+                                     alpha, am1, beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling,
+                                     mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
             s_sum += _sum(s, 1)
             sg_sum += _sum(s * g, 1)
             if ALPHA_GRAD:
@@ -454,7 +460,8 @@ def attention_backward_q(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sdb, sdh, sdm, sdd,
     H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """``dQ = dS K * scaling`` over the live tiles, ``dS = s (g - DELTA)`` (``DQ`` laid out as ``Q``, contiguous)."""
     pid_m = tl.program_id(0)
@@ -467,10 +474,12 @@ def attention_backward_q(
     beta = 1.0 / am1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
     row = offs_m < n_q
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=row[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd, mask=row[:, None],
+                 other=0.0)
     t = tl.load(T + pid_bh * n_q + offs_m, mask=row, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=row, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -484,9 +493,9 @@ def attention_backward_q(
     for start_n in range(0, hi, BLOCK_N):  # the next tile's bit read ahead: its latency overlaps this tile's work
         upcoming = tl.load(LIVE + tiles + start_n // BLOCK_N + 1, mask=start_n + BLOCK_N < hi, other=0)
         if flag != 0:
-            k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, t, alpha, am1,
-                                     beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
-                                     HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+            k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, offs_dv, t,
+                                     alpha, am1, beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm, smn, scaling,
+                                     mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
             ds = s * (g - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PRECISION)
         flag = upcoming
@@ -501,7 +510,8 @@ def attention_backward_kv(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn, sdb, sdh, sdm, sdd,
     H, G, n_q, n_kv, n_mblocks, n_nblocks, scaling, mask_floor,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """``dV = P^T dO``, ``dK = dS^T Q * scaling`` of one block of keys, summed over the group's query heads
     (``DK``, ``DV`` laid out ``[B, Hkv, kv, D]``, contiguous)."""
@@ -513,11 +523,12 @@ def attention_backward_kv(
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_M)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dk = tl.full([BLOCK_N, HEAD_D], 0.0, tl.float32)
-    dv = tl.full([BLOCK_N, HEAD_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, HEAD_DV], 0.0, tl.float32)
     lo = 0
     if CAUSAL:
         lo = (start_n // BLOCK_M) * BLOCK_M
@@ -536,19 +547,20 @@ def attention_backward_kv(
                 row = offs_m < n_q
                 q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None],
                             other=0.0)
-                do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd,
+                do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
                              mask=row[:, None], other=0.0)
                 t = tl.load(T + bh * n_q + offs_m, mask=row, other=float("inf"))
                 delta = tl.load(DELTA + bh * n_q + offs_m, mask=row, other=0.0)
                 k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, tl.arange(0, BLOCK_N),
-                                         offs_d, t, alpha, am1, beta, n_q, n_kv, skn, skd, svn, svd, smb, smh, smm,
-                                         smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
+                                         offs_d, offs_dv, t, alpha, am1, beta, n_q, n_kv, skn, skd, svn, svd, smb,
+                                         smh, smm, smn, scaling, mask_floor, HAS_MASK, MASK_BOOL, CAUSAL, PRECISION)
                 ds = s * (g - delta[:, None])
                 dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
                 dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
             flag = upcoming
     dk = dk * scaling
-    out = pid_bh * n_kv * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     keys = offs_n[:, None] < n_kv
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=keys)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keys)
+    tl.store(DK + pid_bh * n_kv * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=keys)
+    tl.store(DV + pid_bh * n_kv * HEAD_DV + offs_n[:, None] * HEAD_DV + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=keys)

@@ -155,7 +155,8 @@ def work_operands(query, key, value, mask):
 
 
 class Problem(NamedTuple):
-    """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key``/``value [B, Hkv, kv, D]``
+    """One attention call in grouped layout: ``query [B, Hkv, G, q, D]``, ``key [B, Hkv, kv, D]``,
+    ``value [B, Hkv, kv, Dv]`` (``Dv`` any value head size)
     (a decoding step's key and value may stay in a half dtype: the rows it reads are cast, :func:`block_scores`)."""
 
     query: torch.Tensor
@@ -169,8 +170,8 @@ class Problem(NamedTuple):
 
 
 def grouped(query, key, value, mask, causal, alpha, scaling, threshold) -> Problem:
-    """The :class:`Problem` of a call with ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``,
-    ``mask`` broadcastable to ``[B, H, q, kv]`` (or None, then ``causal`` says whether queries see only keys
+    """The :class:`Problem` of a call with ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``,
+    ``value [B, H_kv, kv, Dv]``, ``mask`` broadcastable to ``[B, H, q, kv]`` (or None, then ``causal`` says whether queries see only keys
     up to their own position) and ``alpha`` a float or ``[1, H, 1, 1]``."""
     kv_heads = key.shape[1]
     groups = query.shape[1] // kv_heads
@@ -255,7 +256,7 @@ def candidate_keys(scores: torch.Tensor, alpha: float | torch.Tensor, masked: fl
 
 
 def forward_blocks(problem: Problem, block: int, keep: bool = True):
-    """Output ``[B, Hkv, G, q, D]``, the blocks (with their live keys), and each block's thresholds ``tau``
+    """Output ``[B, Hkv, G, q, Dv]``, the blocks (with their live keys), and each block's thresholds ``tau``
     (``[rows, 1]``). Without ``keep`` (no backward will run: inference) the live keys are not packed for a
     backward; they still choose how ``P V`` is computed."""
     query, value = problem.query, problem.value
@@ -305,6 +306,7 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
     """``(dQ, dK, dV, dalpha)`` in grouped layout (``dalpha`` ``[1, Hkv, G, 1, 1]`` or None)."""
     query, key, value = problem.query, problem.key, problem.value
     batch, kv_heads, groups, _, dim = query.shape
+    value_dim = value.shape[-1]  # may differ from the query / key head size (DeepSeek's MLA: 192 / 128)
     d_query, d_key, d_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     d_alpha = torch.zeros(1, kv_heads, groups, 1, 1, dtype=torch.float64) if alpha_grad else None
     for part, tau in zip(parts, states):
@@ -313,7 +315,7 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
         rows = part.stop - part.start
         keys = part.keys()  # the keys some query of the block weighs: the rest have weight 0 and gradient 0
         scores, q_block, alpha = block_scores(problem, part, keys)
-        d_out = grad_out[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, dim)
+        d_out = grad_out[..., part.start : part.stop, :].reshape(batch, kv_heads, groups * rows, value_dim)
         d_weights = torch.matmul(d_out, value[..., keys, :].transpose(-1, -2))
         n = scores.shape[-1]
         p, d_scores, d_a = compiled.weights_vjp(scores.view(-1, n), tau, d_weights.view(-1, n),
@@ -331,7 +333,7 @@ def backward_blocks(problem: Problem, parts, states, grad_out: torch.Tensor, alp
 
 
 class ThresholdAttention(torch.autograd.Function):
-    """``softmax``-free attention output ``[B, Hkv, G, q, D]`` of a threshold mapping, memory-bounded (module doc)."""
+    """``softmax``-free attention output ``[B, Hkv, G, q, Dv]`` of a threshold mapping, memory-bounded (module doc)."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference):
@@ -368,10 +370,10 @@ class ThresholdAttention(torch.autograd.Function):
 
 def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_alpha, scaling, threshold, block,
                         reference):
-    """Attention output ``[B, H, q, D]`` of a threshold mapping, memory-bounded (see the module docstring).
+    """Attention output ``[B, H, q, Dv]`` of a threshold mapping, memory-bounded (see the module docstring).
 
-    ``query [B, H, q, D]``; ``key``/``value [B, H_kv, kv, D]`` (not repeated for grouped heads); ``mask``
-    additive, broadcastable to ``[B, H, q, kv]``, or None, then ``causal`` (query ``i`` sees keys ``j <= i``,
+    ``query [B, H, q, D]``; ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (not repeated for grouped heads;
+    ``Dv`` any value head size); ``mask`` additive, broadcastable to ``[B, H, q, kv]``, or None, then ``causal`` (query ``i`` sees keys ``j <= i``,
     built per block) or full attention; ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None
     (then ``fixed_alpha``); ``threshold`` the registry entry's row threshold; ``block`` queries per block;
     ``reference(query, key, value, mask, alpha)`` the same output through the differentiable mapping (double

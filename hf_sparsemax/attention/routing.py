@@ -34,7 +34,7 @@ def wanted(kernel: str, query: torch.Tensor) -> bool:
 
 def triton_route(module, query, key, value, mask, *, kernel: str, mapping: str, scaling: float, dropout: float,
                  softcap, position_bias, sinks, causal: bool, weights: bool, options, learned):
-    """The output ``[B, H, q, D]`` from the Triton kernels, or None where ``kernel="auto"`` finds the call not
+    """The output ``[B, H, q, Dv]`` from the Triton kernels, or None where ``kernel="auto"`` finds the call not
     served (the caller then takes the torch path). ``options``: the module's mapping options (None: defaults);
     ``learned``: its ``LearnedAlpha`` or None."""
     from .triton_attention import not_supported_reasons, triton_attention
@@ -44,17 +44,17 @@ def triton_route(module, query, key, value, mask, *, kernel: str, mapping: str, 
     if entry.threshold is not None:
         own = options if options is not None else entry.options()
         alpha = learned().to(query.device).reshape(-1) if learned is not None else entry.fenchel_young_alpha(own)
+    no_grad = not (torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value) + ((alpha,) if isinstance(alpha, torch.Tensor) else ())))
+    decode = decode_kernel() if no_grad and not causal and query.shape[-2] <= DECODE_ROWS else None
     reasons = not_supported_reasons(query, key, value, mask, alpha=alpha, mapping=mapping, dropout=dropout,
-                                    softcap=softcap, position_bias=position_bias, sinks=sinks, weights=weights)
+                                    softcap=softcap, position_bias=position_bias, sinks=sinks, weights=weights,
+                                    decoding=decode is not None)
     if reasons:
         if kernel == "triton":
             raise ValueError(f"attention kernel 'triton' cannot serve this {mapping} attention call: "
                              + "; ".join(reasons) + " (kernel='auto' takes the torch path for such calls)")
         return None
-    no_grad = not (torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value) + ((alpha,) if isinstance(alpha, torch.Tensor) else ())))
-    if no_grad and not causal and query.shape[-2] <= DECODE_ROWS:
-        decode = decode_kernel()
-        if decode is not None:
-            return decode(query, key, value, mask, alpha=alpha, scaling=scaling)
+    if decode is not None:
+        return decode(query, key, value, mask, alpha=alpha, scaling=scaling)
     return triton_attention(query, key, value, mask, causal=causal, alpha=alpha, scaling=scaling)

@@ -70,7 +70,8 @@ HIST_ITER = 12  # Newton steps in registers on the binned lower bound (the start
 SPECULATE = 1e-3  # other alphas: a pass after steps this small adds P V (Halley's next step: far below TOLERANCE)
 SKIP_BYTES = 1 << 29  # the tile maxima kept for skipping (4 bytes a query row a key tile) at most this: else none
 NORM_TOLERANCE = 1e-3  # |sum p - 1| above this marks a row NaN (a certificate, far above float32 rounding)
-HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that fit an H100's shared memory)
+HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that fit an H100's shared memory): the
+# query / key head size and, apart from it, the value head size (DeepSeek's MLA heads differ: 192 / 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTERPRET_VALUES = ("1", "true", "on", "yes")  # TRITON_INTERPRET values triton reads as on
@@ -88,11 +89,12 @@ def triton_available() -> bool:
 
 def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: str | None = None,
                           dropout: float = 0.0, softcap=None, position_bias=None, sinks=None,
-                          weights: bool = False) -> list[str]:
+                          weights: bool = False, decoding: bool = False) -> list[str]:
     """Why the Triton kernels cannot serve this call (xformers' style): an empty list when they can.
 
     ``mapping``: the attention's mapping name (None: alpha-entmax with ``alpha``); ``dropout`` the dropout
-    probability applied (0 outside training); ``weights``: the caller asked for the attention weights.
+    probability applied (0 outside training); ``weights``: the caller asked for the attention weights;
+    ``decoding``: the call goes to the decoding kernel (:mod:`.triton_decode`), which takes any head sizes.
     """
     from ..mappings import registry
 
@@ -120,13 +122,11 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
     if query.dtype not in DTYPES or not query.dtype == key.dtype == value.dtype:
         reasons.append(f"dtypes {query.dtype}/{key.dtype}/{value.dtype} (the kernels take one of float32, "
                        "bfloat16, float16 for all three)")
-    if query.shape[-1] not in HEAD_SIZES or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
-        reasons.append(f"head sizes {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} (the kernels take one of "
-                       f"{HEAD_SIZES} for query, key and value)")
+    reasons.extend(head_size_reasons(query.shape[-1], key.shape[-1], value.shape[-1], decoding))
     if (key.shape[:2] != value.shape[:2] or key.shape[-2] != value.shape[-2] or query.shape[0] != key.shape[0]
             or key.shape[1] == 0 or query.shape[1] % key.shape[1]):
         reasons.append(f"shapes {tuple(query.shape)}/{tuple(key.shape)}/{tuple(value.shape)} are not "
-                       "[B, H, q, D] / [B, H_kv, kv, D] with H a multiple of H_kv")
+                       "[B, H, q, D] / [B, H_kv, kv, D] / [B, H_kv, kv, Dv] with H a multiple of H_kv")
     devices = {t.device for t in tensors} | ({mask.device} if mask is not None else set())
     if len(devices) > 1:
         reasons.append(f"tensors on several devices {sorted(map(str, devices))}")
@@ -141,6 +141,22 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
         if mask.dim() > 4 or not _broadcasts(mask, query, key):
             reasons.append(f"a mask of shape {tuple(mask.shape)} not broadcastable to [B, H, q, kv]")
     reasons.extend(alpha_reasons(alpha, query.shape[1]))
+    return reasons
+
+
+def head_size_reasons(query: int, key: int, value: int, decoding: bool = False) -> list[str]:
+    """Why the kernels cannot take these head sizes: the query's and the key's must agree and be one of
+    ``HEAD_SIZES``; the value's is one of ``HEAD_SIZES`` too, equal to theirs or not. The decoding kernel pads its
+    tiles to a power of 2 and masks them: any sizes (``decoding``), the query's and the key's equal."""
+    reasons = []
+    if key != query:
+        reasons.append(f"query and key head sizes {query}/{key} differ (q k^T needs one)")
+    if decoding:
+        return reasons
+    if query not in HEAD_SIZES:
+        reasons.append(f"query / key head size {query} (the kernels take one of {HEAD_SIZES}; the torch path any)")
+    if value not in HEAD_SIZES:
+        reasons.append(f"value head size {value} (the kernels take one of {HEAD_SIZES}; the torch path any)")
     return reasons
 
 
@@ -166,10 +182,10 @@ def _broadcasts(mask, query, key) -> bool:
 
 def triton_attention(query, key, value, mask=None, *, causal: bool = False, alpha=1.5,
                      scaling: float | None = None) -> torch.Tensor:
-    """Attention output ``[B, H, q, D]`` of alpha-entmax attention in Triton kernels (module docstring).
+    """Attention output ``[B, H, q, Dv]`` of alpha-entmax attention in Triton kernels (module docstring).
 
-    ``query [B, H, q, D]``, ``key`` / ``value [B, H_kv, kv, D]`` (``H`` a multiple of ``H_kv``: grouped heads
-    share theirs, no copies); ``alpha`` a float in [1.125, 2] (2: sparsemax, 1.5: 1.5-entmax) or ``H`` alphas
+    ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (``H`` a multiple of ``H_kv``:
+    grouped heads share theirs, no copies; ``D`` and ``Dv`` each one of ``HEAD_SIZES``); ``alpha`` a float in [1.125, 2] (2: sparsemax, 1.5: 1.5-entmax) or ``H`` alphas
     (any shape with ``H`` elements, e.g. a learned ``[1, H, 1, 1]``; differentiable); ``scaling`` defaults to
     ``D ** -0.5``. Differentiable in query, key, value and a tensor alpha. A ``ValueError`` lists every reason
     a call is not served (:func:`not_supported_reasons`).
@@ -233,7 +249,7 @@ def _mask_args(mask):
 def _forward(query, key, value, alphas, mask, mask_floor, causal, scaling):
     batch, heads, n_q, dim = query.shape
     launch, n_m, n_n, precision = _layout(query, key)
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    out = query.new_empty(batch, heads, n_q, value.shape[-1])
     t = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
     live = torch.zeros(batch, heads, n_m, n_n, dtype=torch.int8, device=query.device)
     tiles = batch * heads * n_m * n_n
@@ -247,8 +263,8 @@ def _forward(query, key, value, alphas, mask, mask_floor, causal, scaling):
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads, heads // key.shape[1], n_q, key.shape[2], n_m, n_n, scaling, mask_floor, TOLERANCE, NORM_TOLERANCE,
         MAX_PASSES, SPECULATE, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-        CAUSAL=causal, SKIP=skip, HIST_BINS=HIST_BINS, HIST_ITER=HIST_ITER, HEAD_D=dim, PRECISION=precision,
-        **launch)
+        CAUSAL=causal, SKIP=skip, HIST_BINS=HIST_BINS, HIST_ITER=HIST_ITER, HEAD_D=dim, HEAD_DV=value.shape[-1],
+        PRECISION=precision, **launch)
     return out, t, live, work
 
 
@@ -259,7 +275,7 @@ def _backward(query, key, value, alphas, mask, mask_floor, causal, scaling, t, l
     kernels = _kernels()
     mask_ptr, *mask_strides = _mask_args(mask)
     common = dict(HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-                  CAUSAL=causal, HEAD_D=dim, PRECISION=precision, **launch)
+                  CAUSAL=causal, HEAD_D=dim, HEAD_DV=value.shape[-1], PRECISION=precision, **launch)
     sizes = (heads, heads // kv_heads, n_q, n_kv, n_m, n_n, scaling, mask_floor)
     strides = (*query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride())
     delta = torch.empty(batch, heads, n_q, dtype=torch.float32, device=query.device)
@@ -271,7 +287,7 @@ def _backward(query, key, value, alphas, mask, mask_floor, causal, scaling, t, l
     kernels.attention_backward_q[(n_m, batch * heads)](
         query, key, value, mask_ptr, alphas, grad_out, t, live, delta, d_query, *strides, *sizes, **common)
     d_key = torch.empty(batch, kv_heads, n_kv, dim, dtype=key.dtype, device=key.device)
-    d_value = torch.empty(batch, kv_heads, n_kv, dim, dtype=value.dtype, device=value.device)
+    d_value = torch.empty(batch, kv_heads, n_kv, value.shape[-1], dtype=value.dtype, device=value.device)
     kernels.attention_backward_kv[(n_n, batch * kv_heads)](
         query, key, value, mask_ptr, alphas, grad_out, t, live, delta, d_key, d_value, *strides, *sizes, **common)
     d_alpha = d_alpha_rows.sum((0, 2)) if alpha_grad else None
