@@ -260,7 +260,7 @@ def tiny_deepseek(dtype=torch.float64, nope: int = 16, rope: int = 8, value: int
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
         n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=nope,
         qk_rope_head_dim=rope, v_head_dim=value, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)
+        eos_token_id=2, experts_implementation="eager")  # eager experts: grouped_mm takes no float64
     torch.manual_seed(0)
     return DeepseekV3ForCausalLM(config).to(dtype)
 
@@ -290,7 +290,12 @@ def test_a_tiny_deepseek_v3_trains_and_decodes_with_entmax15(monkeypatch):
     model = tiny_deepseek()
     hs.patch_model(model, attn="entmax15")
     ids, attention_mask = batch()
+    calls = []
+    for name in ("threshold_attention", "decode_attention"):  # which path each call took
+        original = getattr(interface, name)
+        monkeypatch.setattr(interface, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     loss, grads = loss_and_grads(model, ids, attention_mask)
+    assert calls == ["threshold_attention"] * 2  # the blocked path in both layers, its backward the fixed one
     assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads.values())
     with monkeypatch.context() as patch:  # the reference: every call materialised (no threshold path)
         patch.setattr(interface, "threshold_path", lambda *a, **k: None)
@@ -304,9 +309,10 @@ def test_a_tiny_deepseek_v3_trains_and_decodes_with_entmax15(monkeypatch):
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attention_mask).logits
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :5], attention_mask=attention_mask[:, :5], past_key_values=cache)
-        one = model(input_ids=ids[:, 5:6], attention_mask=attention_mask[:, :6], past_key_values=cache).logits
-        three = model(input_ids=ids[:, 6:], attention_mask=attention_mask, past_key_values=cache).logits
+        model(input_ids=ids[:, :5], attention_mask=attention_mask[:, :5], cache=cache)
+        one = model(input_ids=ids[:, 5:6], attention_mask=attention_mask[:, :6], cache=cache).logits
+        three = model(input_ids=ids[:, 6:], attention_mask=attention_mask, cache=cache).logits
+    assert calls[-4:] == ["decode_attention"] * 4  # the two steps, two layers each: the decoding path
     torch.testing.assert_close(one[:, 0], full[:, 5], rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(three, full[:, 6:], rtol=1e-9, atol=1e-10)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -61,7 +61,8 @@ def main():
 
 
 def attention():
-    """The forward kernel (bfloat16, d 64, causal, skipping; float32, d 128, a bool mask, no skipping) and, with
+    """The forward kernel (bfloat16, d 64, causal, skipping; float32, d 128 and value heads of 64 (DeepSeek's MLA
+    has value heads of another size), a bool mask, no skipping) and, with
     ``--backward``, the three backward kernels in both variants (unchanged by the forward's passes; each compile
     takes CI seconds), with the tile sizes and launch options of ``triton_attention.py``."""
     kernels = load(ATTENTION, "_triton_kernels")
@@ -73,7 +74,8 @@ def attention():
                for axis in ("b", "h", "m" if t in "qmo" else "n", "d" if t != "m" else "n")]
     sizes = ["H", "G", "n_q", "n_kv", "n_mblocks", "n_nblocks"]
     backward = "--backward" in sys.argv
-    for dtype, dim, mask, causal, skip in (("*bf16", 64, None, True, True), ("*fp32", 128, "*u8", False, False)):
+    for dtype, dim, value_dim, mask, causal, skip in (("*bf16", 64, 64, None, True, True),
+                                                      ("*fp32", 128, 64, "*u8", False, False)):
         precision = "ieee" if dtype == "*fp32" else "tf32"
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "O": dtype,
                     "T": "*fp32", "LIVE": "*i8", "TMAX": "*fp32", "LIST": "*i32", "WORK": "*i32"}
@@ -81,14 +83,14 @@ def attention():
               ("scaling", "mask_floor", "tolerance", "norm_tolerance", "speculate"),
               {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, "SKIP": skip,
                "HIST_BINS": settings["HIST_BINS"], "HIST_ITER": settings["HIST_ITER"], **tiles, "HEAD_D": dim,
-               "PRECISION": precision}, options)
+               "HEAD_DV": value_dim, "PRECISION": precision}, options)
         if not backward:
             continue
         strides_b = strides[:16] + [f"sd{axis}" for axis in "bhmd"]
         common = {"Q": dtype, "K": dtype, "V": dtype, "M": mask or "*fp32", "ALPHA": "*fp32", "DO": dtype,
                   "T": "*fp32", "LIVE": "*i8", "DELTA": "*fp32"}
         constants = {"HAS_MASK": mask is not None, "MASK_BOOL": mask == "*u8", "CAUSAL": causal, **tiles,
-                     "HEAD_D": dim, "PRECISION": precision}
+                     "HEAD_D": dim, "HEAD_DV": value_dim, "PRECISION": precision}
         ints, floats = strides_b + sizes, ("scaling", "mask_floor")
         build(kernels.attention_backward_rows, {**common, "DALPHA": "*fp32"}, ints, floats,
               {**constants, "ALPHA_GRAD": True}, options)
