@@ -3,7 +3,7 @@
 Every path against the dense float64 reference ``mapping(q k^T * scaling + mask) @ v`` (the library's mappings on
 the whole score matrix, their eager solvers): the torch blocks (outputs and the gradients of queries, keys, values
 and a learned alpha, several blocks or one, grouped and full heads, causal and padded masks), float64 gradcheck, the
-fused CPU kernel (a no-grad prefill's blocks and decoding steps), the Triton kernels under the interpreter (head
+mappings without a threshold form (query chunks), the fused CPU kernel (a no-grad prefill's blocks and decoding steps), the Triton kernels under the interpreter (head
 sizes they take: 32 / 16 and 16 / 32; 24 goes to the torch path with a reason), decoding against a cache, and a
 tiny ``DeepseekV3ForCausalLM`` patched with entmax15 (forward, backward, generate).
 """
@@ -24,12 +24,10 @@ from hf_sparsemax.attention import blocks as attention_blocks  # noqa: E402
 from hf_sparsemax.attention import decode, routing  # noqa: E402
 from hf_sparsemax.attention import interface  # noqa: E402
 from hf_sparsemax.attention.interface import (ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions,  # noqa: E402
-                                              sparse_attention_forward)
+                                              LearnedAlpha, sparse_attention_forward)
 from hf_sparsemax.attention.triton_attention import not_supported_reasons  # noqa: E402
 from hf_sparsemax.mappings import compiled  # noqa: E402
 from test_attention_blocks import Float64Alpha  # noqa: E402
-
-from hf_sparsemax.attention.interface import LearnedAlpha  # noqa: E402
 
 B, L, D, DV = 2, 11, 24, 16
 HEADS = {"gqa": (4, 2), "mha": (4, 4)}  # (query heads, key / value heads)
@@ -151,6 +149,27 @@ def test_gradcheck_with_other_value_heads(setup, monkeypatch):
 
         assert fn(*inputs).shape == (B, 5, 4, 4)
         assert order(fn, inputs, atol=1e-5, fast_mode=True)
+
+
+@pytest.mark.parametrize("mapping", ["normmax_bisect", "sparse_softmax", "taylor_softmax"])
+def test_the_other_mappings_take_another_value_head_size(mapping):
+    """The mappings without a threshold form take the general path (query chunks recomputed in backward): with
+    chunks of 3 queries, outputs and gradients equal their mapping on the whole score matrix, then ``@ v``."""
+    from hf_sparsemax.mappings import registry
+
+    module = torch.nn.Module().train()
+    module.is_causal = False
+    setattr(module, OPTIONS_ATTR, AttentionOptions.from_settings(mapping, {"chunk_size": 3}))
+    q, k, v = operands(4, 2)
+    mask = padded_mask(L, torch.float64)
+    out, _ = sparse_attention_forward(module, q, k, v, mask, mapping=mapping)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * SCALING + mask
+    reference = (registry.REGISTRY[mapping].function(scores, dim=-1) @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    assert out.shape == (B, L, 4, DV)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), [q, k, v]),
+                    torch.autograd.grad(reference.square().sum(), [q, k, v])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 # --- the fused CPU kernel ---------------------------------------------------------------------------------------

@@ -171,8 +171,8 @@ class Problem(NamedTuple):
 
 def grouped(query, key, value, mask, causal, alpha, scaling, threshold) -> Problem:
     """The :class:`Problem` of a call with ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``,
-    ``value [B, H_kv, kv, Dv]``, ``mask`` broadcastable to ``[B, H, q, kv]`` (or None, then ``causal`` says whether queries see only keys
-    up to their own position) and ``alpha`` a float or ``[1, H, 1, 1]``."""
+    ``value [B, H_kv, kv, Dv]``, ``mask`` broadcastable to ``[B, H, q, kv]`` (or None, then ``causal`` says whether
+    queries see only keys up to their own position) and ``alpha`` a float or ``[1, H, 1, 1]``."""
     kv_heads = key.shape[1]
     groups = query.shape[1] // kv_heads
     split = lambda t: t.view(t.shape[0], kv_heads, groups, *t.shape[2:])  # noqa: E731 (view: unflatten's cost)
@@ -373,11 +373,11 @@ def threshold_attention(query, key, value, mask, *, causal=False, alpha, fixed_a
     """Attention output ``[B, H, q, Dv]`` of a threshold mapping, memory-bounded (see the module docstring).
 
     ``query [B, H, q, D]``; ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (not repeated for grouped heads;
-    ``Dv`` any value head size); ``mask`` additive, broadcastable to ``[B, H, q, kv]``, or None, then ``causal`` (query ``i`` sees keys ``j <= i``,
-    built per block) or full attention; ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None
-    (then ``fixed_alpha``); ``threshold`` the registry entry's row threshold; ``block`` queries per block;
-    ``reference(query, key, value, mask, alpha)`` the same output through the differentiable mapping (double
-    backward only).
+    ``Dv`` any value head size); ``mask`` additive, broadcastable to ``[B, H, q, kv]``, or None, then ``causal``
+    (query ``i`` sees keys ``j <= i``, built per block) or full attention; ``alpha`` a learned ``[1, H, 1, 1]``
+    tensor or None (then ``fixed_alpha``); ``threshold`` the registry entry's row threshold; ``block`` queries per
+    block; ``reference(query, key, value, mask, alpha)`` the same output through the differentiable mapping
+    (double backward only).
     """
     args = (query, key, value, mask, causal, alpha, fixed_alpha, scaling, threshold, block, reference)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, alpha)):

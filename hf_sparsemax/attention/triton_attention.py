@@ -185,8 +185,9 @@ def triton_attention(query, key, value, mask=None, *, causal: bool = False, alph
     """Attention output ``[B, H, q, Dv]`` of alpha-entmax attention in Triton kernels (module docstring).
 
     ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (``H`` a multiple of ``H_kv``:
-    grouped heads share theirs, no copies; ``D`` and ``Dv`` each one of ``HEAD_SIZES``); ``alpha`` a float in [1.125, 2] (2: sparsemax, 1.5: 1.5-entmax) or ``H`` alphas
-    (any shape with ``H`` elements, e.g. a learned ``[1, H, 1, 1]``; differentiable); ``scaling`` defaults to
+    grouped heads share theirs, no copies; ``D`` and ``Dv`` each one of ``HEAD_SIZES``); ``alpha`` a float in
+    [1.125, 2] (2: sparsemax, 1.5: 1.5-entmax) or ``H`` alphas (any shape with ``H`` elements, e.g. a learned
+    ``[1, H, 1, 1]``; differentiable); ``scaling`` defaults to
     ``D ** -0.5``. Differentiable in query, key, value and a tensor alpha. A ``ValueError`` lists every reason
     a call is not served (:func:`not_supported_reasons`).
     """
