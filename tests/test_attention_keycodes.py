@@ -98,6 +98,24 @@ def test_certified_step_equals_the_full_step_and_the_formula(setup, rows, monkey
             assert keycodes.certified_share() > 0.5, (name, keycodes.certified_share())
 
 
+@pytest.mark.parametrize("setup", ["entmax15", "learned"])
+def test_value_heads_of_another_size_are_certified_exactly(setup, monkeypatch):
+    """Values of 10 channels beside keys of 16 (an MLA attention): the certified step equals the full step bit for
+    bit and the formula to float32 rounding."""
+    q, k, v = inputs(B, 1, KV, seed=7)
+    v = v[..., :10].contiguous()
+    mask = masks(B, 1, KV)["left padding"]
+    module, attn = module_for(setup, torch.float32)
+    module.eval()
+    cache, keys, values = cached(k, v)
+    out = step(module, attn, q, cache, keys, values, mask)
+    assert out.shape == (B, 1, H, 10) and keycodes.COUNTS["calls"] == 1 and keycodes.certified_share() > 0.5
+    assert torch.equal(out, full_step(module, attn, q, keys, values, mask, monkeypatch))
+    wide = mask.double().masked_fill(mask == MIN, torch.finfo(torch.float64).min)
+    reference = materialised(module, setup, q.double(), k.double(), v.double(), wide, SCALING)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-5)
+
+
 def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
     """Keys appended one step at a time (the codes written by each call), a crop re-grown with other keys, a
     reorder: every step equals the full step, and the codes equal codes written afresh."""

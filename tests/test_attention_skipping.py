@@ -102,6 +102,22 @@ def test_skipping_equals_the_full_step_and_the_formula(setup, rows, keys):
     assert skipped > 0
 
 
+@pytest.mark.parametrize("setup", ["sparsemax", "learned"])
+def test_value_heads_of_another_size_skip_exactly(setup):
+    """Values of 5 channels beside keys of 8 (an MLA attention): pages are skipped, and the step equals the
+    formula."""
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
+    k, v = paged_keys(B, PAGE * 12, seed=4)
+    v = v[..., :5].contiguous()
+    mask = masks(B, 1, PAGE * 12)["left padding"]
+    module, attn = module_for(setup, torch.float64)
+    module.eval()
+    cache, keys, values = cached(k, v)
+    out = attend(module, attn, q, cache, keys, values, mask)
+    assert out.shape == (B, 1, H, 5) and pages.COUNTS["skipped"] > 0
+    torch.testing.assert_close(out, materialised(module, setup, q, k, v, mask, 0.5), rtol=1e-12, atol=1e-13)
+
+
 def test_a_cache_shorter_than_a_page_is_not_summarised():
     module, attn = module_for("sparsemax", torch.float64)
     q = torch.randn(B, H, 1, D, dtype=torch.float64)
