@@ -2,10 +2,12 @@
 
 Every path against the dense float64 reference ``mapping(q k^T * scaling + mask) @ v`` (the library's mappings on
 the whole score matrix, their eager solvers): the torch blocks (outputs and the gradients of queries, keys, values
-and a learned alpha, several blocks or one, grouped and full heads, causal and padded masks), float64 gradcheck, the
-mappings without a threshold form (query chunks), the fused CPU kernel (a no-grad prefill's blocks and decoding steps), the Triton kernels under the interpreter (head
-sizes they take: 32 / 16 and 16 / 32; 24 goes to the torch path with a reason), decoding against a cache, and a
-tiny ``DeepseekV3ForCausalLM`` patched with entmax15 (forward, backward, generate).
+and a learned alpha, several blocks or one, grouped and full heads, causal and padded masks), float64 gradcheck,
+the mappings without a threshold form (query chunks), the fused CPU kernel (a no-grad prefill's blocks and decoding
+steps), the Triton kernels under the interpreter (head sizes they take: 32 / 16 and 16 / 32; 24 goes to the torch
+path with a reason; their decoding kernel takes 24 / 16), decoding against a cache, and a tiny
+``DeepseekV3ForCausalLM`` patched with entmax15 (forward, backward, generate). Page skipping and the int8 key
+certificate: tests/test_attention_skipping.py, tests/test_attention_keycodes.py.
 """
 
 import os
@@ -206,20 +208,19 @@ def test_the_fused_kernel_serves_a_prefill_and_decoding_steps(setup, heads, monk
 # --- the Triton kernels (under the interpreter without a GPU) -----------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("sizes, heads", [((32, 16), "gqa"), ((16, 32), "gqa"), ((32, 16), "mha")])
 @pytest.mark.parametrize("mask_kind", ["is_causal", "padded"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_the_triton_kernels_take_another_value_head_size(setup, mask_kind, sizes, monkeypatch):
-    """kernel="triton" (grouped heads): outputs and gradients (q, k, v, a learned alpha) of the Triton kernels with
-    query / key heads of 32 and value heads of 16 (and the other way round) equal the dense reference to float32
-    rounding."""
+def test_the_triton_kernels_take_another_value_head_size(setup, mask_kind, sizes, heads, monkeypatch):
+    """kernel="triton": outputs and gradients (q, k, v, a learned alpha) of the Triton kernels with query / key
+    heads of 32 and value heads of 16 (and the other way round) equal the dense reference to float32 rounding."""
     pytest.importorskip("triton")
     dim, value_dim = sizes
     served = []
     original = routing.triton_route
     monkeypatch.setattr(interface, "triton_route", lambda *a, **k: served.append(original(*a, **k)) or served[-1])
     module, attn = module_for(setup, 4, dtype=torch.float32, kernel="triton", causal=mask_kind == "is_causal")
-    q, k, v = operands(4, 2, length=20, dim=dim, value_dim=value_dim, dtype=torch.float32)
+    q, k, v = operands(*HEADS[heads], length=20, dim=dim, value_dim=value_dim, dtype=torch.float32)
     mask = None if mask_kind == "is_causal" else padded_mask(20, torch.float32)
     out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=0.3, mapping=attn)
     assert served and served[-1] is not None and out.shape == (B, 20, 4, value_dim)

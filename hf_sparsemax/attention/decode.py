@@ -49,11 +49,11 @@ def decoding_step(query: torch.Tensor, key: torch.Tensor, alpha: torch.Tensor | 
 
 def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_alpha, threshold,
                      pages=None) -> torch.Tensor:
-    """Attention output ``[B, q, H, D]`` of a threshold mapping for a decoding call, without autograd.
+    """Attention output ``[B, q, H, Dv]`` of a threshold mapping for a decoding call, without autograd.
 
-    ``query [B, H, q, D]``, ``key``/``value [B, H_kv, kv, D]``, ``mask`` additive, broadcastable to
-    ``[B, H, q, kv]``, or None (every key seen); ``alpha`` a learned ``[1, H, 1, 1]`` tensor or None (then
-    ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager exact row solver;
+    ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (``Dv`` any size), ``mask``
+    additive, broadcastable to ``[B, H, q, kv]``, or None (every key seen); ``alpha`` a learned ``[1, H, 1, 1]``
+    tensor or None (then ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager exact row solver;
     ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`), or None: with it the
     fused kernel reads only the keys its int8 certificate cannot exclude (:func:`.keycodes.coded_attention`; the
     full step's output bit for bit), or where the kernel does not serve the call, the pages that provably weigh
@@ -71,7 +71,7 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
         if out is not None:
             return out.to(value.dtype).view(batch, heads, rows, -1).transpose(1, 2).contiguous()
     if out is None:
-        out = fused_decode(problem, problem.alpha)  # [B, Hkv, G q, D], or None: the steps below
+        out = fused_decode(problem, problem.alpha)  # [B, Hkv, G q, Dv], or None: the steps below
     if out is None:
         scores, _, row_alpha = block_scores(problem, Block(0, rows, 0, keys), slice(0, keys))
         p, _ = compiled.weights(scores.view(-1, keys), masked_below(scores.dtype), row_alpha, threshold,
