@@ -54,10 +54,10 @@ def decode_attention(query, key, value, mask, *, scaling: float, alpha, fixed_al
     ``query [B, H, q, D]``, ``key [B, H_kv, kv, D]``, ``value [B, H_kv, kv, Dv]`` (``Dv`` any size), ``mask``
     additive, broadcastable to ``[B, H, q, kv]``, or None (every key seen); ``alpha`` a learned ``[1, H, 1, 1]``
     tensor or None (then ``fixed_alpha``: 2 is sparsemax, 1.5 entmax15); ``threshold`` the registry entry's eager
-    exact row solver; ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`), or None: with it the
-    fused kernel reads only the keys its int8 certificate cannot exclude (:func:`.keycodes.coded_attention`; the
-    full step's output bit for bit), or where the kernel does not serve the call, the pages that provably weigh
-    nothing are skipped (:func:`.pages.skipping_attention`).
+    exact row solver; ``pages``: the cache's page summary and filled length (:func:`.pages.page_summary`), or
+    None: with it the fused kernel reads only the keys its int8 certificate cannot exclude
+    (:func:`.keycodes.coded_attention`; the full step's output bit for bit), or where the kernel does not serve the
+    call, the pages that provably weigh nothing are skipped (:func:`.pages.skipping_attention`).
     """
     batch, heads, rows, _ = query.shape
     keys = key.shape[-2]
