@@ -243,3 +243,68 @@ def test_distillation_needs_a_peft_model_with_sparse_attention():
     for kwargs in ({"weight": 0}, {"share": 0}, {"share": 2}):
         with pytest.raises(ValueError):
             hs.SelfDistillation(**kwargs)
+
+
+# -- resuming and accumulating: what a checkpoint restored is kept, the step's objective is the same
+
+
+class StopAt(TrainerCallback):
+    """Ends training after step ``step`` with a checkpoint, as an interrupted run leaves it."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = control.should_training_stop = True
+
+
+def resumable(tmp_path, stop_at=None, resume_at=None, max_steps=8):
+    """A tiny Llama with learned alphas and learned temperatures trained by Trainer with the schedule for
+    ``max_steps`` (SGD), interrupted after step ``stop_at`` (a checkpoint) or resumed from its checkpoint
+    ``resume_at``; its parameters at the end."""
+    model = hs.patch_model(tiny_llama(), attn="entmax_bisect", attn_options={
+        "alpha": 1.5, "learn_alpha": True, "learn_temperature": True,
+        "temperature": [[0.5, 0.8, 1.25, 2.0], [1.5, 0.7, 1.1, 0.9]]})
+    data = Dataset.from_list([{**{k: v[0] for k, v in batch(seed=s, size=1).items()},
+                               "labels": batch(seed=s, size=1)["input_ids"][0]} for s in range(8)])
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+                             learning_rate=5.0, optim="sgd", lr_scheduler_type="constant", report_to="none",
+                             use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    callbacks = [hs.AlphaScheduleCallback(share=0.5, start=1.01)] + ([StopAt(stop_at)] if stop_at else [])
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=None if resume_at is None else str(tmp_path / f"checkpoint-{resume_at}"))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_run_resumed_before_inside_or_after_the_ramp_equals_the_uninterrupted_run(tmp_path):
+    """8 steps, the ramp on steps 0-3 (share 0.5): resumed at step 2 (inside the ramp), 4 (the step that ends
+    it) and 6 (after it, the learned alphas and temperatures trained apart) the parameters after 8 steps are the
+    uninterrupted run's. Before the fix a resume past the ramp reset every learned alpha to its start."""
+    whole = resumable(tmp_path / "whole")
+    learned = torch.cat([p for name, p in whole.items() if name.endswith("pre_alpha")])
+    assert learned.abs().min() > 1e-4  # every head moved from its start (pre_alpha 0): a reset would show
+    for step in (2, 4, 6):
+        folder = tmp_path / f"resumed-{step}"
+        resumable(folder, stop_at=step)  # the first part of the run, ending in checkpoint-<step>
+        resumed = resumable(folder, resume_at=step)
+        for name, value in whole.items():
+            torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=f"{name}, resumed at {step}")
+
+
+def test_the_ramp_leaves_the_fitted_temperatures_in_place():
+    """On the ramp the temperatures used are ``T ** f``, while the values and the learned parameter (what a
+    checkpoint saves) stay the fitted ones."""
+    fitted = [[0.5, 0.8, 1.25, 2.0], [1.5, 0.7, 1.1, 0.9]]
+    model = hs.patch_model(tiny_llama(), attn="entmax15", attn_options={
+        "temperature": fitted, "learn_temperature": True})
+    heats = [m for m in model.modules() if isinstance(m, hs.HeadTemperature)]
+    callback = hs.AlphaScheduleCallback(share=0.5, start=1.01)
+    drive(callback, model, 10, 3)  # step 2 of a 5-step ramp: f = 2 / 5
+    for heat, values in zip(heats, fitted):
+        torch.testing.assert_close(heat.log_temperature.detach().exp(), torch.tensor(values))
+        torch.testing.assert_close(heat(), torch.tensor(values) ** 0.4)
+        assert not heat.log_temperature.requires_grad
+    callback.on_train_end(None, state(3, 10), None, model=model)
+    assert all(torch.allclose(h(), torch.tensor(v)) and h.log_temperature.requires_grad for h, v in zip(heats, fitted))

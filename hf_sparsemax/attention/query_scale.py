@@ -52,6 +52,8 @@ class HeadTemperature(nn.Module):
 
     Fixed values are kept as plain floats (a model cast to half precision keeps them exact); learned ones as the
     parameter ``log_temperature`` (float32, trained in an optimizer group of their own: :func:`query_scale_parameters`).
+    ``exponent`` (1 unless a conversion's alpha ramp sets it): the temperatures used are ``T_h ** exponent``, so the
+    values (and a saved or checkpointed parameter) always hold the fitted ``T_h``, whatever the ramp's step.
     """
 
     def __init__(self, values: Sequence[float], learn: bool = False) -> None:
@@ -59,6 +61,7 @@ class HeadTemperature(nn.Module):
         values = check_temperatures(values)
         self.learn = learn
         self.values = values
+        self.exponent = 1.0
         self.cached: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if learn:
             self.log_temperature = nn.Parameter(torch.tensor(values, dtype=torch.float32).log())
@@ -67,13 +70,19 @@ class HeadTemperature(nn.Module):
         return f"heads={len(self.values)}, learn={self.learn}"
 
     def forward(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``[H]`` temperatures."""
+        """``[H]`` temperatures ``T_h ** exponent``."""
         if self.learn:
-            return self.log_temperature.to(device=device, dtype=dtype).exp()
-        key = (torch.device(device) if device is not None else torch.device("cpu"), dtype)
+            log = self.log_temperature.to(device=device, dtype=dtype)
+            return (log if self.exponent == 1.0 else log * self.exponent).exp()
+        key = (torch.device(device) if device is not None else torch.device("cpu"), dtype, self.exponent)
         if key not in self.cached:
-            self.cached[key] = torch.tensor(self.values, dtype=dtype, device=key[0])
+            self.cached[key] = torch.tensor([value ** self.exponent for value in self.values], dtype=dtype,
+                                            device=key[0])
         return self.cached[key]
+
+    def set_exponent(self, exponent: float) -> None:
+        """Use ``T_h ** exponent`` (a conversion's ramp) without changing the fitted ``T_h``."""
+        self.exponent, self.cached = float(exponent), {}
 
     def current(self) -> list[float]:
         """The temperatures as floats."""

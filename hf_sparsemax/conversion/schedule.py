@@ -24,7 +24,14 @@ Per-head temperatures (attention option ``temperature``, e.g. fitted by :func:`h
 for the target) are fitted for the target's alpha, not for alpha near 1, where they would sharpen softmax:
 on the ramp head ``h``'s temperature is ``T_h ** f``, ``f = (alpha(t) - start) / (target - start)`` (1 at
 the start, ``T_h`` at the target; a learned temperature is frozen meanwhile, as a learned alpha), and at
-step ``T`` the fitted values are given back exactly.
+step ``T`` the fitted values are given back exactly. The ramp sets only the exponent ``f``
+(:meth:`~hf_sparsemax.HeadTemperature.set_exponent`): the values and a learned ``log_temperature`` keep the
+fitted ``T_h`` throughout, so a checkpoint saved on the ramp holds them.
+
+Resuming (``Trainer.train(resume_from_checkpoint=...)``): the state is derived from ``global_step`` alone.
+Trainer loads the checkpoint before ``on_train_begin``; a run resumed inside the ramp continues it (the frozen
+alphas are set from the step), and a run resumed past step ``T`` keeps the alphas and temperatures the
+checkpoint restored (only the step that crosses ``T`` sets the learned alphas to their start).
 
 The module options and the model's config (``config.hf_sparsemax``) keep the target throughout, so a model
 saved during the ramp reloads with the target attention.
@@ -112,25 +119,17 @@ class AlphaScheduleCallback(TrainerEvents):
         learned = [m for m in model.modules() if isinstance(m, LearnedAlpha)]  # peft: the adapter's copies too
         grads = [m.pre_alpha.requires_grad for m in learned]
         heats = [m for m in model.modules() if isinstance(m, HeadTemperature)]
-        fitted = [(m.values, m.log_temperature.detach().clone() if m.learn else None,
-                   m.log_temperature.requires_grad if m.learn else None) for m in heats]
+        heat_grads = [m.log_temperature.requires_grad if m.learn else None for m in heats]
         return dict(inner=inner, mapping=mapping, modules=modules, options=options, target=target,
-                    learned=learned, grads=grads, heats=heats, fitted=fitted)
+                    learned=learned, grads=grads, heats=heats, heat_grads=heat_grads)
 
     def _temperatures(self, fraction: float | None) -> None:
         """On the ramp (``fraction`` of the way): ``T ** fraction``, learned ones frozen; None: the fitted values."""
         plan = self._plan
-        for heat, (values, parameter, grad) in zip(plan["heats"], plan["fitted"]):
-            if fraction is not None:
-                heat.assign([value ** fraction for value in values])
-                if parameter is not None:
-                    heat.log_temperature.requires_grad_(False)
-                continue
-            heat.values, heat.cached = values, {}
-            if parameter is not None:
-                with torch.no_grad():
-                    heat.log_temperature.copy_(parameter)
-                heat.log_temperature.requires_grad_(grad)
+        for heat, grad in zip(plan["heats"], plan["heat_grads"]):
+            heat.set_exponent(1.0 if fraction is None else fraction)
+            if heat.learn:
+                heat.log_temperature.requires_grad_(grad if fraction is None else False)
 
     # -- the two states: on the ramp at alpha a, or the target as patched
 
@@ -151,13 +150,16 @@ class AlphaScheduleCallback(TrainerEvents):
                 set_attention(plan["inner"], RAMP_MAPPING)
         self.alpha = alpha
 
-    def _release(self) -> None:
+    def _release(self, restart: bool) -> None:
+        """The target as patched; ``restart``: the learned alphas start afresh (the step crossing the ramp's end),
+        else they keep their values (a run resumed past the ramp: the checkpoint's trained alphas)."""
         plan = self._plan
         self._temperatures(None)
         if plan["learned"]:
             with torch.no_grad():
                 for module, grad in zip(plan["learned"], plan["grads"]):
-                    module.pre_alpha.fill_(pre_alpha_of(plan["target"]))
+                    if restart:
+                        module.pre_alpha.fill_(pre_alpha_of(plan["target"]))
                     module.pre_alpha.requires_grad_(grad)
         else:
             for module, own in zip(plan["modules"], plan["options"]):
@@ -172,7 +174,7 @@ class AlphaScheduleCallback(TrainerEvents):
         if plan is None or plan.get("released"):
             return
         alpha = scheduled_alpha(step, self.start, plan["target"], plan["steps"])
-        self._release() if step >= plan["steps"] else self._ramp(alpha)
+        self._release(restart=step == plan["steps"]) if step >= plan["steps"] else self._ramp(alpha)
 
     # -- Trainer's events
 
@@ -186,4 +188,4 @@ class AlphaScheduleCallback(TrainerEvents):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._plan is not None and not self._plan.get("released"):
-            self._release()  # a run shorter than its ramp still ends on the target
+            self._release(restart=True)  # a run shorter than its ramp still ends on the target
