@@ -308,3 +308,31 @@ def test_the_ramp_leaves_the_fitted_temperatures_in_place():
         assert not heat.log_temperature.requires_grad
     callback.on_train_end(None, state(3, 10), None, model=model)
     assert all(torch.allclose(h(), torch.tensor(v)) and h.log_temperature.requires_grad for h, v in zip(heats, fitted))
+
+
+def distilled_step(tmp_path, batch_size, accumulation):
+    """One optimizer step of the distillation trainer (weight 1000) on 8 copies of one sequence: the logged loss
+    and the adapter's weights after it."""
+    model = peft_model(tiny_llama())
+    row = batch(seed=4, size=1)["input_ids"][0]
+    data = Dataset.from_list([{"input_ids": row, "labels": row}] * 8)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulation, learning_rate=1e-2, optim="sgd",
+                             report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = hs.distillation_trainer(Trainer, hs.SelfDistillation(weight=1000.0))(
+        model=model, args=args, train_dataset=data)
+    trainer.train()
+    (logged,) = [e for e in trainer.state.log_history if "loss" in e]
+    return float(logged["loss"]), {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_under_gradient_accumulation_an_optimizer_step_distills_once(tmp_path):
+    """1 batch of 8 and 4 accumulated batches of 2 of the same rows: one step's loss and update are the same.
+    Before, the term was added in full to each micro-batch's loss, which Trainer does not divide when
+    ``num_items_in_batch`` normalises the cross-entropy: 4 x 2 counted it 4 times."""
+    whole_loss, whole = distilled_step(tmp_path / "whole", 8, 1)
+    parts_loss, parts = distilled_step(tmp_path / "parts", 2, 4)
+    assert whole_loss > 10  # the term (weight 1000) dominates the cross-entropy: counting it 4 times would show
+    assert parts_loss == pytest.approx(whole_loss, rel=1e-4)
+    for name, value in whole.items():
+        torch.testing.assert_close(parts[name], value, rtol=1e-4, atol=1e-7, msg=name)

@@ -17,7 +17,9 @@ held-out cross-entropy already trains the logits. Calibration (``calibrate``) fi
 at patch time; distillation keeps fitting it while the adapter learns.
 
 The term is added to the training loss during the first ``share`` of the steps (``step < max(1, round(share *
-max_steps))``, halves up), then dropped: the model then trains on the data alone.
+max_steps))``, halves up), then dropped: the model then trains on the data alone. Under gradient accumulation
+an optimizer step's term is the mean of its micro-batches' terms (:func:`micro_batch_share`), as the
+cross-entropy beside it counts each token once per step.
 """
 
 from __future__ import annotations
@@ -137,6 +139,18 @@ class SelfDistillation:
         return value
 
 
+def micro_batch_share(trainer, num_items_in_batch) -> float:
+    """What one micro-batch's distillation term is multiplied by, so that an optimizer step's objective is the
+    term's mean over its micro-batches, as with no accumulation: ``1 / accumulation steps`` where Trainer leaves
+    the loss undivided (it was normalised by ``num_items_in_batch``, which spans the whole step), else 1
+    (Trainer divides the whole loss, the term with it)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:  # Trainer's own rule (transformers' training_step)
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+            trainer.compute_loss_func is not None)
+    return 1.0 / trainer.current_gradient_accumulation_steps if scaled else 1.0
+
+
 def distillation_trainer(trainer_class, distillation: SelfDistillation):
     """``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``) whose loss adds
     ``distillation``'s term while it is active (``state.global_step`` against ``state.max_steps``); the
@@ -148,7 +162,8 @@ def distillation_trainer(trainer_class, distillation: SelfDistillation):
                 return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
             with distillation.student(model) as outputs:
                 loss, out = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
-            loss = loss + distillation.term(model, inputs, outputs)
+            share = micro_batch_share(self, kwargs.get("num_items_in_batch"))
+            loss = loss + distillation.term(model, inputs, outputs) * share
             return (loss, out) if return_outputs else loss
 
         def log(self, logs, *args, **kwargs):
