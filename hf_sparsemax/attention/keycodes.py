@@ -81,6 +81,13 @@ class KeyCodes:
         scales[:, :, : self.coded] = self.scales[:, :, : self.coded]
         self.codes, self.scales = codes, scales
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Take batch rows ``index`` (a beam search's reorder): each row's codes, scales and bounds move with it."""
+        heads = self.codes.shape[1]
+        self.codes, self.scales = self.codes.index_select(0, index), self.scales.index_select(0, index)
+        self.bounds = self.bounds.index_select(0, index)
+        self.certified = self.certified.view(-1, heads).index_select(0, index).reshape(-1)
+
     def nbytes(self) -> int:
         """Bytes of the codes and scales (slots included; the per-head bounds are 16 bytes a kv head)."""
         return self.codes.nbytes + self.scales.nbytes + self.bounds.nbytes

@@ -25,7 +25,8 @@ brought up to date incrementally: a decoding step adds a full page every ``PAGE`
 ``MIN_KEYS`` summarises the prefix. The attention function does not receive the cache, so a forward pre-hook
 on each attention module (:func:`remember_cache`, installed by the attention swap) hands it the module's cache
 layer, and checks before the cache changes that the summary still describes its keys (the same tensor, not
-modified in place, not cropped); a cropped, reordered or reset cache gets a new summary. The summary also carries
+modified in place, not cropped); a cropped or reset cache gets a new summary, and a beam search's reorder
+(``reorder_cache``) reorders the summary and its codes with the keys (:func:`follow_reorders`). The summary also carries
 the keys' int8 copies where the fused kernel serves the step (:mod:`.keycodes`: a per-key bound that certifies
 rotary keys, where page bounds certify none; the pages are then not summarised). Switched off with the
 environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
@@ -34,6 +35,7 @@ environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
 from __future__ import annotations
 
 import os
+import types
 import weakref
 
 import torch
@@ -117,8 +119,32 @@ class PageSummary:
             self.maxs = torch.cat([self.maxs, new.amax(3)], dim=2)
         return self.track(key, length)
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Take batch rows ``index`` (a beam search's reorder), codes included."""
+        self.mins, self.maxs = self.mins.index_select(0, index), self.maxs.index_select(0, index)
+        if self.codes is not None:
+            self.codes.reorder(index)
+
     def __getstate__(self):  # a copied summary describes no tensor (rebuilt on use)
         return dict(vars(self), source=None, codes=None)
+
+
+def reorder_with_summary(layer, beam_idx: torch.LongTensor) -> None:
+    """``layer.reorder_cache`` (installed by :func:`follow_reorders`): the layer's own reorder, then its summary's
+    (where the summary described the keys before): the same pages and codes, in the new order, never re-coded."""
+    summary = getattr(layer, SUMMARY_ATTR, None)
+    current = summary is not None and summary.describes(layer)
+    type(layer).reorder_cache(layer, beam_idx)
+    if current and layer.keys is not None and layer.keys.shape[0] == summary.mins.shape[0]:
+        summary.reorder(beam_idx.to(summary.mins.device))
+        summary.track(layer.keys, summary.length)
+
+
+def follow_reorders(layer) -> None:
+    """Make a cache layer's ``reorder_cache`` reorder its summary too (a bound method on the instance: a deep copy
+    of the cache binds it to the copy)."""
+    if "reorder_cache" not in vars(layer):
+        layer.reorder_cache = types.MethodType(reorder_with_summary, layer)
 
 
 def remember_cache(module, args, kwargs) -> None:
@@ -168,6 +194,7 @@ def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[P
                                and key._version == summary.version) or summary.mins.shape[:2] != key.shape[:2]:
         summary = PageSummary(key)
         setattr(layer, SUMMARY_ATTR, summary)
+        follow_reorders(layer)
     return summary.track(key, length), length
 
 
