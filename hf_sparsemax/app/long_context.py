@@ -209,7 +209,7 @@ def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[lis
         return tokenizer(text, add_special_tokens=False).input_ids
 
     answer, question = encode(ANSWER.format(key=key)), encode(QUESTION)
-    if encode(QUESTION + ANSWER.format(key=key)) != question + answer or tokenizer.decode(answer) != ANSWER.format(key=key):
+    if encode(QUESTION + ANSWER.format(key=key)) != question + answer:
         raise ValueError(f"the tokenizer splits the pass key {key} differently after the question than alone "
                          f"({tokenizer.convert_ids_to_tokens(answer)}): the greedy answer could not be checked "
                          "token by token")
@@ -304,5 +304,5 @@ def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec, sd
     out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
     out.update(passkey(model, tokenizer, spec, sdpa))
     out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
-    out["long_context"] = {**dataclasses.asdict(spec), "seconds": round(time.perf_counter() - start, 1)}
+    out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model), "seconds": round(time.perf_counter() - start, 1)}
     return out

@@ -7,10 +7,10 @@ keys the int8 certificate never read at the decoding context, and the decoding s
 checked when the variants it names ran:
 
 - ``entmax15_converted``: held-out cross-entropy within :data:`CE_MARGIN` of ``softmax_ce``'s in every bucket;
-- ``entmax15_converted``: passkey accuracy at the contexts up to 8192 no more than :data:`CELL_MARGIN` under
-  ``softmax_ce``'s in any cell, and on average at least equal;
-- ``entmax15_converted_length``: at the contexts past 8192 (rope extended) at least ``softmax_ce``'s accuracy
-  on average;
+- ``entmax15_converted``: passkey accuracy at the contexts within the model's positions (SmolLM2: 8192) no more
+  than :data:`CELL_MARGIN` under ``softmax_ce``'s in any cell, and on average at least equal;
+- ``entmax15_converted_length``: at the contexts past the positions (rope extended) at least ``softmax_ce``'s
+  accuracy on average;
 - every sparse variant: at least :data:`MIN_NEVER_READ` of the keys never read at the decoding context.
 """
 
@@ -25,7 +25,6 @@ from .seeds import by_variant
 CE_MARGIN = 0.02
 CELL_MARGIN = 0.10
 MIN_NEVER_READ = 0.99
-TRAINED_POSITIONS = 8192  # contexts up to here: the model's own positions; past it: rope extended
 
 
 def long_runs(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -94,8 +93,13 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def within(row: dict[str, Any], context) -> bool:
+    """Whether ``context`` fits the model's own positions (past them the rope was extended)."""
+    return int(context) <= row["spec"].get("positions", 8192)
+
+
 def cells(row: dict[str, Any], short: bool) -> dict[tuple[str, str], float]:
-    return {(c, d): v for c, depths in row["passkey"].items() if (int(c) <= TRAINED_POSITIONS) == short
+    return {(c, d): v for c, depths in row["passkey"].items() if within(row, c) == short
             for d, v in depths.items()}
 
 
@@ -115,7 +119,7 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
             worst = min(mine[k] - theirs[k] for k in theirs)
             mean_gap = float(np.mean([mine[k] - theirs[k] for k in theirs]))
             ok = worst >= -CELL_MARGIN and mean_gap >= 0
-            lines.append(f"- converted entmax15 passkey at contexts <= {TRAINED_POSITIONS} no worse than softmax_ce "
+            lines.append(f"- converted entmax15 passkey at contexts <= {conv['spec'].get('positions', 8192)} no worse than softmax_ce "
                          f"(every cell within {CELL_MARGIN:.0%}, on average at least equal): **{verdict(ok)}**: "
                          f"mean {float(np.mean(list(mine.values()))):.0%} vs {float(np.mean(list(theirs.values()))):.0%}"
                          f", worst cell {worst:+.0%} ({conv['trials']} trial(s) a cell).")
@@ -123,7 +127,7 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
         mine, theirs = cells(length, False), cells(soft, False)
         if theirs:
             a, b = float(np.mean(list(mine.values()))), float(np.mean(list(theirs.values())))
-            lines.append(f"- length-scale variant at contexts > {TRAINED_POSITIONS} (rope extended) at least as good "
+            lines.append(f"- length-scale variant at contexts > {length['spec'].get('positions', 8192)} (rope extended) at least as good "
                          f"as softmax_ce on the passkey: **{verdict(a >= b)}**: {a:.0%} vs {b:.0%} (the cross-entropy "
                          f"at those lengths is not measured: the held-out documents are "
                          f"{length['spec']['length']} tokens).")
@@ -150,7 +154,7 @@ def section(results: list[dict[str, Any]]) -> list[str]:
              f"Held-out cross-entropy by token position on {spec['documents']} held-out document(s) of "
              f"{spec['length']} tokens (entries never trained on, joined by the end-of-sequence token); passkey "
              f"retrieval, greedy, {spec['trials']} trial(s) a cell, depths {spec['depths']}; contexts past "
-             f"{TRAINED_POSITIONS} tokens with the rotary positions interpolated x{spec['rope_factor']}. Exact zeros:"
+             f"the model's {spec.get('positions', 8192)} positions with the rotary positions interpolated x{spec['rope_factor']}. Exact zeros:"
              f" every layer and head on the first {spec['zeros_length']} held-out tokens. Keys never read: the int8 "
              f"certificate over the decoding steps at {spec['decode_context']} tokens. Mean over the seeds.", "",
              "| variant | seeds | " + " | ".join(f"CE {b}" for b in buckets) + " | exact zeros | keys never read |",
@@ -164,7 +168,7 @@ def section(results: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {name} | {row['seeds']} | {ce} | {percent(row['zeros'])} | {never} |")
     for context in first["passkey"]:
         depths = list(first["passkey"][context])
-        rope = "" if int(context) <= TRAINED_POSITIONS else f", rope x{spec['rope_factor']}"
+        rope = "" if within(first, context) else f", rope x{spec['rope_factor']}"
         lines += ["", f"Passkey accuracy at {context} tokens{rope}:", "",
                   "| variant | " + " | ".join(f"depth {float(d):.0%}" for d in depths) + " | mean |",
                   "|---|" + "---:|" * (len(depths) + 1)]
