@@ -182,7 +182,7 @@ def load_everything(recipe: Recipe):
 def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_set, eval_set, labels, work: str,
                 resume: bool, heatmap: bool, long=None) -> tuple[dict[str, Any], Any]:
     """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map.
-    ``long``: ``(held-out documents, LongSpec, sdpa model)``, the evaluation at length (:mod:`.long_context`)."""
+    ``long``: ``(held-out documents, LongSpec)``, the evaluation at length (:mod:`.long_context`)."""
     model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
     fitted = {}
     if variant.calibrate is not None:
@@ -225,7 +225,7 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
             if long is not None:
                 from . import long_context
 
-                results.update(long_context.evaluate(trainer.model, tokenizer, long[0], long[1], sdpa=long[2]))
+                results.update(long_context.evaluate(trainer.model, tokenizer, *long))
         runner.write_json(os.path.join(work, "results.json"), results)
         shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
     del trainer, model
@@ -336,8 +336,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
     if recipe.eval.long_context is not None and recipe.task == "causal_lm":
         from .long_context import held_out_documents
 
-        base.eval()  # the unpatched model: the sdpa twin of the decoding speed
-        long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context, base)
+        long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context)
     note_replacement(final)
     start_work(work, resume)
     results, maps, histories = [], {}, {}

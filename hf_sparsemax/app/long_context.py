@@ -20,8 +20,9 @@ For a trained model, on held-out text and a synthetic retrieval task:
   the timed steps); ``keys_never_read_by_context`` per passkey context. ``None`` where no step was certified
   (softmax attention, or a context under the certificate's first 1024 keys).
 - ``decode``: ``decode_steps`` greedy decoding steps at ``decode_context`` tokens, each timed (wall clock, the
-  process's threads) alternately with the same step of the unpatched sdpa model on a copy of the same cache:
-  ``tokens_per_s``, ``sdpa_tokens_per_s`` and their ratio (medians).
+  process's threads) alternately with the same step of the same model (its LoRA adapter included) with its
+  attention switched to sdpa, on a copy of the same cache: ``tokens_per_s``, ``sdpa_tokens_per_s`` and their
+  ratio (medians).
 
 Contexts longer than the model's ``max_position_embeddings`` run with the rotary positions interpolated
 ``rope_factor`` times (linear scaling, as ``benchmarks/bench_interleaved.py --rope-factor``): the model's
@@ -224,40 +225,61 @@ def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[lis
     return intro + filler[:cut] + needle + filler[cut:] + question, answer
 
 
-def greedy(model, prompt: list[int], steps: int, timed: int = 0, sdpa=None) -> tuple[list[int], dict[str, Any]]:
-    """``steps`` greedy tokens after ``prompt`` from a ``DynamicCache``; with ``timed``, that many more steps
-    timed alternately against ``sdpa`` on a copy of the cache (module docstring): ``(tokens, timings)``."""
+@contextlib.contextmanager
+def sdpa_attention(model):
+    """While the block runs: the model's attention is torch's ``sdpa`` (softmax), everything else unchanged."""
+    from ..swaps.attention_swap import set_attention
+
+    inner = base_model(model)
+    current = inner.config._attn_implementation
+    if current != "sdpa":
+        set_attention(inner, "sdpa")
+    try:
+        yield
+    finally:
+        if current != "sdpa":
+            set_attention(inner, current)
+
+
+def step(model, token: torch.Tensor, cache) -> torch.Tensor:
+    """One greedy decoding step: the next token ``[1, 1]``."""
+    return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def greedy(model, prompt: list[int], steps: int, timed: int = 0) -> tuple[list[int], dict[str, Any]]:
+    """``steps`` greedy tokens after ``prompt`` from a ``DynamicCache``; with ``timed``, that many more steps,
+    each timed alternately with the same step of the same model, its attention switched to sdpa
+    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``."""
     from transformers import DynamicCache
 
     inner = base_model(model)
-    ids = torch.tensor([prompt], device=inner.device)
     cache = DynamicCache(config=inner.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt], device=inner.device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [int(token)]
     for _ in range(steps - 1):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token = step(model, token, cache)
         tokens.append(int(token))
     if not timed:
         return tokens, {}
     twin, twin_token = copy.deepcopy(cache), token
-    times = {"model": [], "sdpa": []}
+    times: dict[str, list[float]] = {"model": [], "sdpa": []}
     for round_ in range(timed):
         for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
-            start = time.perf_counter()
-            if name == "model":
-                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            else:
-                twin_token = sdpa(input_ids=twin_token, past_key_values=twin,
-                                  use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            times[name].append(time.perf_counter() - start)
+            with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
+                start = time.perf_counter()
+                if name == "model":
+                    token = step(model, token, cache)
+                else:
+                    twin_token = step(model, twin_token, twin)
+                times[name].append(time.perf_counter() - start)
     model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
     return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
                     "steps": timed, "context": len(prompt)}
 
 
-def passkey(model, tokenizer, spec: LongSpec, sdpa=None) -> dict[str, Any]:
+def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
     """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring)."""
     from ..attention import keycodes
 
@@ -278,9 +300,8 @@ def passkey(model, tokenizer, spec: LongSpec, sdpa=None) -> dict[str, Any]:
                     for trial in range(spec.trials):
                         key = rng.randrange(10000, 100000)
                         prompt, answer = passkey_prompt(tokenizer, context, depth, key)
-                        timed = spec.decode_steps if (context == spec.decode_context and sdpa is not None
-                                                      and not decode) else 0
-                        tokens, timing = greedy(model, prompt, len(answer), timed, sdpa)
+                        timed = spec.decode_steps if context == spec.decode_context and not decode else 0
+                        tokens, timing = greedy(model, prompt, len(answer), timed)
                         decode.update(timing)
                         right += tokens == answer
                     row[f"{depth:g}"] = right / spec.trials
@@ -298,11 +319,11 @@ def zero_share(model, document: torch.Tensor, length: int) -> float:
     return measure(model, [item], 1, 1)["attention_zero_share"]
 
 
-def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec, sdpa=None) -> dict[str, Any]:
+def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
     """Every measurement of the module docstring, as ``results.json`` keys."""
     start = time.perf_counter()
     out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
-    out.update(passkey(model, tokenizer, spec, sdpa))
+    out.update(passkey(model, tokenizer, spec))
     out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model), "seconds": round(time.perf_counter() - start, 1)}
     return out
