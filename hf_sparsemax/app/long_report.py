@@ -176,7 +176,7 @@ def section(results: list[dict[str, Any]]) -> list[str]:
             values = [row["passkey"][context][d] for d in depths]
             lines.append(f"| {name} | " + " | ".join(percent(v) for v in values) + f" | {percent(np.mean(values))} |")
     lines += ["", f"Decoding at {spec['decode_context']} tokens ({spec['decode_steps']} steps, each timed beside the "
-              "unpatched sdpa model's on a copy of the same cache, medians, wall clock):", "",
+              "same model's step with its attention switched to sdpa, on a copy of the same cache; medians, wall clock):", "",
               "| variant | tokens/s | sdpa tokens/s | speed vs sdpa |", "|---|---:|---:|---:|"]
     for name, row in rows.items():
         if row["tps"] is not None:
