@@ -129,7 +129,8 @@ def run_of(name, ce, passkey, never=0.995):
 def test_the_targets_at_length_say_met_or_missed_with_their_numbers():
     runs = [run_of("softmax_ce", {"0-512": 2.0, "512-2048": 2.0}, {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}},
                    None),
-            run_of("entmax15_converted", {"0-512": 2.02, "512-2048": 2.1}, {"2048": {"0.5": 0.5}, "16384": {"0.5": 0.5}}),
+            run_of("entmax15_converted", {"0-512": 2.02, "512-2048": 2.1},
+                   {"2048": {"0.5": 0.5}, "16384": {"0.5": 0.5}}),
             run_of("entmax15_converted_length", {"0-512": 2.0, "512-2048": 2.0},
                    {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.5}}, 0.5)]
     text = "\n".join(long_report.section(runs))

@@ -325,5 +325,6 @@ def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) ->
     out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
     out.update(passkey(model, tokenizer, spec))
     out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
-    out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model), "seconds": round(time.perf_counter() - start, 1)}
+    out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
+                           "seconds": round(time.perf_counter() - start, 1)}
     return out

@@ -119,17 +119,18 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
             worst = min(mine[k] - theirs[k] for k in theirs)
             mean_gap = float(np.mean([mine[k] - theirs[k] for k in theirs]))
             ok = worst >= -CELL_MARGIN and mean_gap >= 0
-            lines.append(f"- converted entmax15 passkey at contexts <= {conv['spec'].get('positions', 8192)} no worse than softmax_ce "
-                         f"(every cell within {CELL_MARGIN:.0%}, on average at least equal): **{verdict(ok)}**: "
-                         f"mean {float(np.mean(list(mine.values()))):.0%} vs {float(np.mean(list(theirs.values()))):.0%}"
-                         f", worst cell {worst:+.0%} ({conv['trials']} trial(s) a cell).")
+            lines.append(f"- converted entmax15 passkey at contexts <= {conv['spec'].get('positions', 8192)} no worse "
+                         f"than softmax_ce (every cell within {CELL_MARGIN:.0%}, on average at least equal): "
+                         f"**{verdict(ok)}**: mean {float(np.mean(list(mine.values()))):.0%} vs "
+                         f"{float(np.mean(list(theirs.values()))):.0%}, worst cell {worst:+.0%} "
+                         f"({conv['trials']} trial(s) a cell).")
     if length is not None:
         mine, theirs = cells(length, False), cells(soft, False)
         if theirs:
             a, b = float(np.mean(list(mine.values()))), float(np.mean(list(theirs.values())))
-            lines.append(f"- length-scale variant at contexts > {length['spec'].get('positions', 8192)} (rope extended) at least as good "
-                         f"as softmax_ce on the passkey: **{verdict(a >= b)}**: {a:.0%} vs {b:.0%} (the cross-entropy "
-                         f"at those lengths is not measured: the held-out documents are "
+            lines.append(f"- length-scale variant at contexts > {length['spec'].get('positions', 8192)} (rope "
+                         f"extended) at least as good as softmax_ce on the passkey: **{verdict(a >= b)}**: {a:.0%} vs "
+                         f"{b:.0%} (the cross-entropy at those lengths is not measured: the held-out documents are "
                          f"{length['spec']['length']} tokens).")
     for name, row in rows.items():
         if name != "softmax_ce" and row["never"] is not None:
@@ -154,7 +155,8 @@ def section(results: list[dict[str, Any]]) -> list[str]:
              f"Held-out cross-entropy by token position on {spec['documents']} held-out document(s) of "
              f"{spec['length']} tokens (entries never trained on, joined by the end-of-sequence token); passkey "
              f"retrieval, greedy, {spec['trials']} trial(s) a cell, depths {spec['depths']}; contexts past "
-             f"the model's {spec.get('positions', 8192)} positions with the rotary positions interpolated x{spec['rope_factor']}. Exact zeros:"
+             f"the model's {spec.get('positions', 8192)} positions with the rotary positions interpolated "
+             f"x{spec['rope_factor']}. Exact zeros:"
              f" every layer and head on the first {spec['zeros_length']} held-out tokens. Keys never read: the int8 "
              f"certificate over the decoding steps at {spec['decode_context']} tokens. Mean over the seeds.", "",
              "| variant | seeds | " + " | ".join(f"CE {b}" for b in buckets) + " | exact zeros | keys never read |",
@@ -176,7 +178,8 @@ def section(results: list[dict[str, Any]]) -> list[str]:
             values = [row["passkey"][context][d] for d in depths]
             lines.append(f"| {name} | " + " | ".join(percent(v) for v in values) + f" | {percent(np.mean(values))} |")
     lines += ["", f"Decoding at {spec['decode_context']} tokens ({spec['decode_steps']} steps, each timed beside the "
-              "same model's step with its attention switched to sdpa, on a copy of the same cache; medians, wall clock):", "",
+              "same model's step with its attention switched to sdpa, on a copy of the same cache; medians, wall "
+              "clock):", "",
               "| variant | tokens/s | sdpa tokens/s | speed vs sdpa |", "|---|---:|---:|---:|"]
     for name, row in rows.items():
         if row["tps"] is not None:
