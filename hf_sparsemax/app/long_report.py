@@ -78,7 +78,7 @@ def plot_passkey(results: list[dict[str, Any]], path: str) -> bool:
             for j in range(len(contexts)):
                 ax.text(j, i, f"{grid[i, j]:.0%}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(contexts)), [f"{int(c) // 1024}k" for c in contexts])
-        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
+        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths] if ax is axes[0][0] else [])
         ax.set_xlabel("context (tokens)")
         ax.set_title(f"{name}\n({row['trials']} trial{'s' * (row['trials'] > 1)} a cell, {row['seeds']} seed"
                      f"{'s' * (row['seeds'] > 1)})", fontsize=8)
