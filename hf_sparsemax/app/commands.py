@@ -180,8 +180,9 @@ def load_everything(recipe: Recipe):
 
 
 def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_set, eval_set, labels, work: str,
-                resume: bool, heatmap: bool) -> tuple[dict[str, Any], Any]:
-    """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map."""
+                resume: bool, heatmap: bool, long=None) -> tuple[dict[str, Any], Any]:
+    """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map.
+    ``long``: ``(held-out documents, LongSpec)``, the evaluation at length (:mod:`.long_context`)."""
     model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
     fitted = {}
     if variant.calibrate is not None:
@@ -221,6 +222,10 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
                 results["attention_zero_share"] = zero_share(attention[0])
                 if start_alphas is not None:
                     results["attention_zero_heads"] = head_zero_shares(weights)
+            if long is not None:
+                from . import long_context
+
+                results.update(long_context.evaluate(trainer.model, tokenizer, *long))
         runner.write_json(os.path.join(work, "results.json"), results)
         shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
     del trainer, model
@@ -323,10 +328,15 @@ def compare_command(recipe: Recipe, output: str | None, resume: bool) -> dict[st
 def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str, work: str,
                      resume: bool) -> dict[str, Any]:
     """Train, evaluate and sample each ``(folder name, variant)`` run in ``work``; write the report; publish."""
-    from . import convert_report, report, seeds
+    from . import convert_report, long_report, report, seeds
 
     start = time.perf_counter()
     tokenizer, train_set, eval_set, labels, base = load_everything(recipe)
+    long = None
+    if recipe.eval.long_context is not None and recipe.task == "causal_lm":
+        from .long_context import held_out_documents
+
+        long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context)
     note_replacement(final)
     start_work(work, resume)
     results, maps, histories = [], {}, {}
@@ -344,7 +354,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         else:
             os.makedirs(vdir, exist_ok=True)
             result, attention = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, vdir,
-                                            resume, heatmap=True)
+                                            resume, heatmap=True, long=long)
         result["run"] = folder
         results.append(result)
         if attention is not None and variant.name not in maps:  # the heatmap shows each variant's first seed
@@ -371,8 +381,10 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
             figures.append("learned_alphas.png")
         if convert_report.plot_curves(results, os.path.join(work, "curves.png")):
             figures.append("curves.png")
+        if long_report.plot_passkey(results, os.path.join(work, "passkey_heatmap.png")):
+            figures.append("passkey_heatmap.png")
         report.write_report(work, recipe, table, seconds, figures, runs=firsts,
-                            extra=convert_report.conversion_section(results))
+                            extra=convert_report.conversion_section(results) + long_report.section(results))
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)

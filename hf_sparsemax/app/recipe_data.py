@@ -88,7 +88,7 @@ def check_source(spec: DataSpec) -> None:
         if unknown:
             raise RecipeError(f"data.categories: unknown fortune categories {unknown}: choose from "
                               f"{list(assets.FORTUNE_FILES)}")
-    else:
+    elif spec.source != "pydoc_topics":
         sources = as_list(spec.source)
         local = [s for s in sources if is_local(s)]
         if local and len(local) != len(sources):
@@ -97,7 +97,7 @@ def check_source(spec: DataSpec) -> None:
             raise RecipeError(f"data.source names several datasets {sources}: give one dataset name or local files")
         if local:
             check_files(local, "source")
-    if spec.eval_split is not None and (spec.source == "fortunes" or is_local(as_list(spec.source)[0])):
+    if spec.eval_split is not None and (spec.source in ("fortunes", "pydoc_topics") or is_local(as_list(spec.source)[0])):
         raise RecipeError("data.eval_split needs data.source to be a `datasets` name: for local files or the "
                           "fortunes give held-out files as data.eval_source")
     if spec.eval_source is not None:
@@ -114,6 +114,9 @@ def load_table(source, spec: DataSpec, split: str, field: str = "source"):
 
     from . import assets
 
+    if source == "pydoc_topics":
+        texts = assets.pydoc_topics()
+        return datasets.Dataset.from_dict({"text": texts, "label": ["pydoc"] * len(texts)})
     if source == "fortunes":
         texts, labels = [], []
         for category in spec.categories or ["fortunes"]:

@@ -84,7 +84,8 @@ class DataSpec:
     """Where the text comes from and how it is split, deterministically.
 
     ``source``: ``"fortunes"`` (the offline FreeBSD corpus; ``categories``
-    picks its files), a ``datasets`` dataset name (``config``, ``split``,
+    picks its files), ``"pydoc_topics"`` (CPython's documentation topics, long
+    offline text: one entry per topic), a ``datasets`` dataset name (``config``, ``split``,
     ``text_field``, ``label_field``), or local ``.txt`` (one entry per
     paragraph) / ``.json`` / ``.jsonl`` / ``.csv`` files (a path or a list).
     An entry goes to the held-out side when a hash of its text says so
@@ -124,7 +125,7 @@ class DataSpec:
         if isinstance(self.source, (list, tuple)):
             self.source = [str(s) for s in self.source]
         elif not isinstance(self.source, str) or not self.source:
-            raise RecipeError(f"data.source must be 'fortunes', a dataset name or file path(s), got {self.source!r}")
+            raise RecipeError(f"data.source must be 'fortunes', 'pydoc_topics', a dataset name or file path(s), got {self.source!r}")
         for name in ("block_size", "max_length", "train_size", "eval_size"):
             value = getattr(self, name)
             if value is None and name in ("train_size", "eval_size"):
@@ -153,7 +154,8 @@ class DataSpec:
 class EvalSpec:
     """Evaluation and sampling: metrics' ``epsilon``, prompts for matched sampling, the heatmap sentence;
     ``curve_every`` (null: no curves): held-out loss and exact attention zeros on the first ``curve_blocks``
-    held-out blocks before training and every ``curve_every`` steps (:mod:`.curves`)."""
+    held-out blocks before training and every ``curve_every`` steps (:mod:`.curves`); ``long_context`` (null:
+    none): the evaluation at length of :mod:`.long_context` (causal LM, ``compare``)."""
 
     epsilon: float = 1e-6
     batch_size: int = 8
@@ -165,8 +167,12 @@ class EvalSpec:
     heatmap_head: int = 0
     curve_every: int | None = None
     curve_blocks: int = 8
+    long_context: Any = None
 
     def __post_init__(self) -> None:
+        from .long_context import long_spec
+
+        self.long_context = long_spec(self.long_context)
         for name in ("curve_every", "curve_blocks"):
             value = getattr(self, name)
             if (value is not None or name == "curve_blocks") and (

@@ -1,0 +1,335 @@
+"""Evaluation at length (``eval.long_context`` of a causal-LM recipe; ``recipes/convert_long.yaml``).
+
+For a trained model, on held-out text and a synthetic retrieval task:
+
+- ``cross_entropy_by_length``: held-out documents of ``length`` tokens (the held-out entries, joined by the
+  end-of-sequence token, cut into ``documents`` documents: text never trained on), one forward pass each; the
+  cross-entropy of the token at position ``p`` (predicted from positions ``0 .. p-1``) is averaged per
+  position bucket ``[lo, hi)`` (:data:`BUCKETS`, those that fit in ``length``).
+- ``passkey_accuracy``: ``{context: {depth: share}}``. A prompt of exactly ``context`` tokens: an instruction,
+  filler sentences, and at ``depth`` of the filler (the sentence boundary nearest it) a needle stating a random
+  5-digit pass key, then the question; the answer is decoded greedily from a ``DynamicCache`` (the prefill,
+  then one step per answer token) and counts when every answer token is right. The tokenizer must give the
+  answer's tokens unchanged after the question (SmolLM2: a space, then one token per digit); one that merges
+  them across the boundary is refused (``ValueError``), never scored on a different split.
+- ``attention_zero_share``: the share of the attention weights that are exactly 0 (every layer and head, the
+  cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
+  (:func:`hf_sparsemax.app.curves.measure`).
+- ``keys_never_read``: the share of cached keys the int8 certificate (:mod:`hf_sparsemax.attention.keycodes`)
+  proved weightless and never read, over the decoding steps at ``decode_context`` tokens (passkey answers and
+  the timed steps); ``keys_never_read_by_context`` per passkey context. ``None`` where no step was certified
+  (softmax attention, or a context under the certificate's first 1024 keys).
+- ``decode``: ``decode_steps`` greedy decoding steps at ``decode_context`` tokens, each timed (wall clock, the
+  process's threads) alternately with the same step of the same model (its LoRA adapter included) with its
+  attention switched to sdpa, on a copy of the same cache: ``tokens_per_s``, ``sdpa_tokens_per_s`` and their
+  ratio (medians).
+
+Contexts longer than the model's ``max_position_embeddings`` run with the rotary positions interpolated
+``rope_factor`` times (linear scaling, as ``benchmarks/bench_interleaved.py --rope-factor``): the model's
+rotary module is replaced by one built from a copy of its config with ``rope_type: linear`` for those contexts
+only. A context longer than the positions without a ``rope_factor`` covering it, a model without a rotary
+module, and an empty document are refused with one ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._model import base_model
+from .recipes import RecipeError
+
+BUCKETS = ((0, 512), (512, 2048), (2048, 4096), (4096, 8192))
+LOGIT_CHUNK = 1024  # positions whose logits are formed at a time (8192 x 49152 float32 logits would be 1.6 GB)
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about it.")
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\nWhat is the pass key? The pass key is"
+ANSWER = " {key}"
+
+
+@dataclasses.dataclass
+class LongSpec:
+    """``eval.long_context`` (module docstring); sizes are tokens, depths shares of the filler."""
+
+    documents: int = 1
+    length: int = 8192
+    contexts: list[int] = dataclasses.field(default_factory=lambda: [2048, 4096, 8192, 16384])
+    depths: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    trials: int = 20
+    rope_factor: float | None = 2.0
+    zeros_length: int = 1024
+    decode_context: int = 8192
+    decode_steps: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("documents", "length", "trials", "zeros_length", "decode_context", "decode_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RecipeError(f"eval.long_context.{name} must be a positive integer, got {value!r}")
+        if self.length < 2 or self.zeros_length < 2:
+            raise RecipeError("eval.long_context.length and zeros_length must be at least 2 tokens")
+        if not isinstance(self.contexts, list) or not self.contexts or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 64 for c in self.contexts):
+            raise RecipeError(f"eval.long_context.contexts must be a list of token counts >= 64, got {self.contexts!r}")
+        if not isinstance(self.depths, list) or not self.depths or not all(
+                isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1 for d in self.depths):
+            raise RecipeError(f"eval.long_context.depths must be a list of shares in [0, 1], got {self.depths!r}")
+        self.depths = [float(d) for d in self.depths]
+        if self.rope_factor is not None and (isinstance(self.rope_factor, bool) or not isinstance(
+                self.rope_factor, (int, float)) or not self.rope_factor > 1):
+            raise RecipeError(f"eval.long_context.rope_factor must be a number > 1 or null, got {self.rope_factor!r}")
+
+
+def long_spec(data: Any) -> LongSpec | None:
+    """``eval.long_context`` as a :class:`LongSpec` (None when not set), or a ``RecipeError``."""
+    if data is None:
+        return None
+    if isinstance(data, LongSpec):
+        return data
+    if not isinstance(data, dict):
+        raise RecipeError(f"eval.long_context must be a mapping, got {data!r}")
+    fields = [f.name for f in dataclasses.fields(LongSpec)]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise RecipeError(f"eval.long_context: unknown field(s) {unknown}: choose from {fields}")
+    return LongSpec(**data)
+
+
+# -- positions: the model's own, or interpolated
+
+def positions_of(model) -> int:
+    return int(base_model(model).config.max_position_embeddings)
+
+
+def rope_for(model, tokens: int, rope_factor: float | None) -> float | None:
+    """The rope factor a sequence of ``tokens`` needs (None: the model's own positions), or a ``ValueError``."""
+    positions = positions_of(model)
+    if tokens <= positions:
+        return None
+    if rope_factor is None or tokens > positions * rope_factor:
+        raise ValueError(f"a context of {tokens} tokens is longer than the model's {positions} positions"
+                         + (f" times the rope factor {rope_factor:g}" if rope_factor else "")
+                         + f": set eval.long_context.rope_factor >= {tokens / positions:g} (linear rotary "
+                         "interpolation) or use shorter contexts")
+    return float(rope_factor)
+
+
+@contextlib.contextmanager
+def extended_rope(model, factor: float | None):
+    """While the block runs: the model's rotary positions interpolated ``factor`` times (None: unchanged)."""
+    if factor is None:
+        yield
+        return
+    inner = base_model(model)
+    owner = next((m for m in inner.modules() if isinstance(getattr(m, "rotary_emb", None), torch.nn.Module)), None)
+    if owner is None:
+        raise ValueError(f"{type(inner).__name__} has no rotary embedding (rotary_emb) to extend: contexts past its "
+                         f"{positions_of(model)} positions cannot be evaluated")
+    old = owner.rotary_emb
+    config = copy.deepcopy(old.config)
+    config.rope_parameters = {**dict(config.rope_parameters), "rope_type": "linear", "factor": float(factor)}
+    config.max_position_embeddings = int(config.max_position_embeddings * factor)
+    owner.rotary_emb = type(old)(config=config).to(next(old.buffers()).device)
+    try:
+        yield
+    finally:
+        owner.rotary_emb = old
+
+
+# -- held-out documents and the cross-entropy by position
+
+def held_out_documents(spec: LongSpec, data_spec, tokenizer) -> list[torch.Tensor]:
+    """``spec.documents`` documents of ``spec.length`` tokens from the recipe's held-out entries."""
+    from .recipe_data import quiet, split_tables
+
+    with quiet():
+        _, _, table, rows = split_tables(data_spec)
+    texts = table.select(rows)["text"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    need = spec.documents * spec.length
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False).input_ids + eos
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise RecipeError(f"the held-out text holds {len(ids)} tokens, fewer than eval.long_context.documents x "
+                          f"length = {need}: lower them, or raise data.eval_fraction")
+    return [torch.tensor(ids[i * spec.length:(i + 1) * spec.length]) for i in range(spec.documents)]
+
+
+def token_losses(model, ids: torch.Tensor, rope_factor: float | None = None) -> torch.Tensor:
+    """``[T - 1]`` float64: the cross-entropy of token ``p`` (from ``1``) given tokens ``0 .. p-1``."""
+    if ids.dim() != 1 or ids.numel() < 2:
+        raise ValueError(f"a document must be a 1-d sequence of at least 2 tokens, got shape {tuple(ids.shape)}")
+    inner = base_model(model)
+    model.eval()
+    with torch.no_grad(), extended_rope(model, rope_for(model, ids.numel(), rope_factor)):
+        hidden = inner.model(input_ids=ids[None].to(inner.device), use_cache=False).last_hidden_state[0]
+        head = inner.get_output_embeddings()
+        targets = ids[1:].to(hidden.device)
+        out = [F.cross_entropy(head(hidden[s:s + LOGIT_CHUNK]).float()[: targets.numel() - s],
+                               targets[s:s + LOGIT_CHUNK], reduction="none")
+               for s in range(0, targets.numel(), LOGIT_CHUNK)]
+    return torch.cat(out).double().cpu()
+
+
+def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
+                            rope_factor: float | None = None) -> dict[str, float]:
+    """``{"lo-hi": mean cross-entropy of the tokens at positions [lo, hi)}`` over ``documents`` (module docstring)."""
+    if not documents:
+        raise ValueError("cross_entropy_by_length needs at least one document")
+    sums: dict[str, list[float]] = {}
+    for ids in documents:
+        losses = token_losses(model, ids, rope_factor)  # losses[p - 1]: the token at position p
+        for lo, hi in buckets:
+            part = losses[max(lo, 1) - 1:hi - 1]
+            if part.numel():
+                total = sums.setdefault(f"{lo}-{hi}", [0.0, 0])
+                total[0] += float(part.sum())
+                total[1] += part.numel()
+    return {name: s / n for name, (s, n) in sums.items()}
+
+
+# -- the passkey task
+
+def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int]]:
+    """``(prompt ids of exactly context tokens, answer ids)`` (module docstring), or a ``ValueError``."""
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    answer, question = encode(ANSWER.format(key=key)), encode(QUESTION)
+    if encode(QUESTION + ANSWER.format(key=key)) != question + answer:
+        raise ValueError(f"the tokenizer splits the pass key {key} differently after the question than alone "
+                         f"({tokenizer.convert_ids_to_tokens(answer)}): the greedy answer could not be checked "
+                         "token by token")
+    intro, needle, unit = encode(INTRO), encode(NEEDLE.format(key=key)), encode(FILLER)
+    room = context - len(intro) - len(needle) - len(question)
+    if room < len(unit):
+        raise ValueError(f"a passkey context of {context} tokens leaves no room for filler (at least "
+                         f"{len(intro) + len(needle) + len(question) + len(unit)} tokens)")
+    filler = (unit * (room // len(unit) + 1))[:room]
+    cut = round(depth * room / len(unit)) * len(unit)  # the sentence-group boundary nearest the depth
+    cut = min(cut, room)
+    return intro + filler[:cut] + needle + filler[cut:] + question, answer
+
+
+@contextlib.contextmanager
+def sdpa_attention(model):
+    """While the block runs: the model's attention is torch's ``sdpa`` (softmax), everything else unchanged."""
+    from ..swaps.attention_swap import set_attention
+
+    inner = base_model(model)
+    current = inner.config._attn_implementation
+    if current != "sdpa":
+        set_attention(inner, "sdpa")
+    try:
+        yield
+    finally:
+        if current != "sdpa":
+            set_attention(inner, current)
+
+
+def step(model, token: torch.Tensor, cache) -> torch.Tensor:
+    """One greedy decoding step: the next token ``[1, 1]``."""
+    return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def greedy(model, prompt: list[int], steps: int, timed: int = 0) -> tuple[list[int], dict[str, Any]]:
+    """``steps`` greedy tokens after ``prompt`` from a ``DynamicCache``; with ``timed``, that many more steps,
+    each timed alternately with the same step of the same model, its attention switched to sdpa
+    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``."""
+    from transformers import DynamicCache
+
+    inner = base_model(model)
+    cache = DynamicCache(config=inner.config)
+    out = model(input_ids=torch.tensor([prompt], device=inner.device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [int(token)]
+    for _ in range(steps - 1):
+        token = step(model, token, cache)
+        tokens.append(int(token))
+    if not timed:
+        return tokens, {}
+    twin, twin_token = copy.deepcopy(cache), token
+    times: dict[str, list[float]] = {"model": [], "sdpa": []}
+    for round_ in range(timed):
+        for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
+            with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
+                start = time.perf_counter()
+                if name == "model":
+                    token = step(model, token, cache)
+                else:
+                    twin_token = step(model, twin_token, twin)
+                times[name].append(time.perf_counter() - start)
+    model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
+    return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
+                    "steps": timed, "context": len(prompt)}
+
+
+def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
+    """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring)."""
+    from ..attention import keycodes
+
+    model.eval()
+    for context in spec.contexts:  # every context checked before any is run
+        rope_for(model, context, spec.rope_factor)
+    rng = random.Random(spec.seed)
+    accuracy: dict[str, dict[str, float]] = {}
+    never: dict[str, float | None] = {}
+    decode: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    with torch.no_grad():
+        for context in spec.contexts:
+            began = time.perf_counter()
+            keycodes.reset_counts()
+            row = accuracy.setdefault(str(context), {})
+            with extended_rope(model, rope_for(model, context, spec.rope_factor)):
+                for depth in spec.depths:
+                    right = 0
+                    for trial in range(spec.trials):
+                        key = rng.randrange(10000, 100000)
+                        prompt, answer = passkey_prompt(tokenizer, context, depth, key)
+                        timed = spec.decode_steps if context == spec.decode_context and not decode else 0
+                        tokens, timing = greedy(model, prompt, len(answer), timed)
+                        decode.update(timing)
+                        right += tokens == answer
+                    row[f"{depth:g}"] = right / spec.trials
+            never[str(context)] = keycodes.certified_share() if keycodes.COUNTS["calls"] else None
+            seconds[str(context)] = round(time.perf_counter() - began, 1)
+    return {"passkey_accuracy": accuracy, "keys_never_read_by_context": never,
+            "keys_never_read": never.get(str(spec.decode_context)), "decode": decode, "passkey_seconds": seconds}
+
+
+def zero_share(model, document: torch.Tensor, length: int) -> float:
+    """Exact attention zeros, every layer and head, on the first ``length`` tokens of ``document``."""
+    from .curves import measure
+
+    ids = document[:length].long()
+    item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return measure(model, [item], 1, 1)["attention_zero_share"]
+
+
+def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
+    """Every measurement of the module docstring, as ``results.json`` keys."""
+    start = time.perf_counter()
+    out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
+    ce_seconds = time.perf_counter() - start
+    out.update(passkey(model, tokenizer, spec))
+    out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
+    out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
+                           "seconds": round(time.perf_counter() - start, 1), "ce_seconds": round(ce_seconds, 1),
+                           "passkey_seconds": out.pop("passkey_seconds")}
+    return out

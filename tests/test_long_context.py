@@ -1,0 +1,169 @@
+"""The evaluation at length (hf_sparsemax/app/long_context.py) and recipes/convert_long.yaml on a tiny model."""
+
+import json
+
+import pytest
+import torch
+from test_recipes import char_tokenizer, run, tiny_llama  # noqa: F401 (a fixture)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_sparsemax.app import long_context as lc
+from hf_sparsemax.app import long_report
+from hf_sparsemax.app.recipes import RecipeError, load_recipe
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=105, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_cross_entropy_by_position_is_the_models_own_loss(model):
+    """Every bucket's mean is the per-token loss of the model's own forward over those positions."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 105, (200,))
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0].double()
+    reference = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+    got = lc.cross_entropy_by_length(model, [ids, ids], buckets=((0, 50), (50, 150), (150, 400)))
+    assert list(got) == ["0-50", "50-150", "150-400"]
+    assert got["0-50"] == pytest.approx(float(reference[:49].mean()), rel=1e-5)  # positions 1..49 (0 has no loss)
+    assert got["50-150"] == pytest.approx(float(reference[49:149].mean()), rel=1e-5)
+    assert got["150-400"] == pytest.approx(float(reference[149:].mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([], dtype=torch.long), torch.tensor([3])])
+def test_an_empty_document_is_refused(model, ids):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        lc.cross_entropy_by_length(model, [ids])
+
+
+def test_a_context_past_the_positions_needs_a_rope_factor(model):
+    ids = torch.randint(0, 105, (300,))
+    with pytest.raises(ValueError, match="longer than the model's 256 positions: set eval.long_context.rope_factor"):
+        lc.cross_entropy_by_length(model, [ids])
+    with pytest.raises(ValueError, match="times the rope factor 1.1"):
+        lc.rope_for(model, 300, 1.1)
+    assert lc.rope_for(model, 256, None) is None and lc.rope_for(model, 300, 2.0) == 2.0
+    assert set(lc.cross_entropy_by_length(model, [ids], rope_factor=2.0)) == {"0-512"}
+
+
+def test_the_extended_rope_interpolates_positions_and_is_given_back(model):
+    """Linear rope x2: position 2p under the extension is position p without it; the module comes back."""
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1, 8)
+    with lc.extended_rope(model, 2.0):
+        assert model.model.rotary_emb is not rotary
+        cos_ext, _ = model.model.rotary_emb(x, torch.tensor([[0, 2, 10]]))
+    assert model.model.rotary_emb is rotary
+    cos, _ = rotary(x, torch.tensor([[0, 1, 5]]))
+    torch.testing.assert_close(cos_ext, cos)
+
+
+def test_the_passkey_prompt_has_the_context_and_the_needle_at_its_depth():
+    tokenizer = char_tokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        prompt, answer = lc.passkey_prompt(tokenizer, 600, depth, 12345)
+        text = "".join(tokenizer.convert_ids_to_tokens(prompt))
+        assert len(prompt) == 600 and "".join(tokenizer.convert_ids_to_tokens(answer)) == " 12345"
+        assert text.startswith(lc.INTRO) and text.endswith(lc.QUESTION)
+        needle = lc.NEEDLE.format(key=12345)
+        room = 600 - len(lc.INTRO) - len(needle) - len(lc.QUESTION)  # filler characters (= tokens here)
+        cut = text.index(needle) - len(lc.INTRO)
+        assert abs(cut - depth * room) <= len(lc.FILLER) / 2 and cut % len(lc.FILLER) == 0
+    with pytest.raises(ValueError, match="no room for filler"):
+        lc.passkey_prompt(tokenizer, 150, 0.5, 12345)
+
+
+class MergingTokenizer:
+    """Characters, except that "s" and a following space are one token: the answer's space merges with the
+    question's last letter."""
+
+    def __init__(self):
+        self.chars = char_tokenizer()
+
+    def __call__(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            if text[i:i + 2] == "s ":
+                ids.append(999)
+                i += 2
+            else:
+                ids.append(self.chars.convert_tokens_to_ids(text[i]))
+                i += 1
+        return type("Encoded", (), {"input_ids": ids})()
+
+    def decode(self, ids):
+        return "".join("s " if i == 999 else self.chars.convert_ids_to_tokens(i) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) for i in ids]
+
+
+def test_a_tokenizer_that_splits_the_passkey_otherwise_is_refused():
+    with pytest.raises(ValueError, match="splits the pass key 12345 differently"):
+        lc.passkey_prompt(MergingTokenizer(), 600, 0.5, 12345)
+
+
+def test_bad_long_context_settings_are_refused():
+    with pytest.raises(RecipeError, match="unknown field"):
+        lc.long_spec({"trails": 3})
+    with pytest.raises(RecipeError, match="depths must be a list of shares"):
+        lc.long_spec({"depths": [1.5]})
+    with pytest.raises(RecipeError, match="rope_factor must be a number > 1"):
+        lc.long_spec({"rope_factor": 1})
+    with pytest.raises(RecipeError, match="trials must be a positive integer"):
+        lc.long_spec({"trials": 0})
+    assert load_recipe("convert_long").eval.long_context.contexts == [2048, 4096, 8192, 16384]
+
+
+def run_of(name, ce, passkey, never=0.995):
+    return {"variant": name, "seed": 0, "cross_entropy_by_length": ce, "passkey_accuracy": passkey,
+            "attention_zero_share": 0.8, "keys_never_read": never,
+            "decode": {"tokens_per_s": 2.0, "sdpa_tokens_per_s": 1.0, "ratio_to_sdpa": 2.0},
+            "long_context": {**lc.LongSpec().__dict__, "contexts": [2048, 16384], "depths": [0.5], "trials": 2}}
+
+
+def test_the_targets_at_length_say_met_or_missed_with_their_numbers():
+    runs = [run_of("softmax_ce", {"0-512": 2.0, "512-2048": 2.0}, {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}},
+                   None),
+            run_of("entmax15_converted", {"0-512": 2.02, "512-2048": 2.1},
+                   {"2048": {"0.5": 0.5}, "16384": {"0.5": 0.5}}),
+            run_of("entmax15_converted_length", {"0-512": 2.0, "512-2048": 2.0},
+                   {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.5}}, 0.5)]
+    text = "\n".join(long_report.section(runs))
+    assert "in every bucket: **MISSED**: 0-512: 2.020 vs 2.000 (+1.0%), 512-2048: 2.100 vs 2.000 (+5.0%)" in text
+    assert "**MISSED**: mean 50% vs 100%, worst cell -50% (2 trial(s) a cell)" in text
+    assert "at least as good as softmax_ce on the passkey: **met**: 50% vs 0%" in text
+    assert "`entmax15_converted` decoding at 8192 tokens with >= 99% keys never read: **met**: 99.50%" in text
+    assert "`entmax15_converted_length` decoding at 8192 tokens with >= 99% keys never read: **MISSED**: 50.00%" in text
+    assert "| entmax15_converted | 1 | 2.020 (+1.0%) | 2.100 (+5.0%) | 80% | 99.50% |" in text
+
+
+@pytest.mark.slow
+def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # noqa: F811
+    """recipes/convert_long.yaml shrunk to the tiny Llama (2048 positions): every variant, the long keys in each
+    run's results.json, a context past the positions (rope x2), the certificate at 1100 keys, report and heatmap."""
+    out = tmp_path / "convert_long"
+    shrink = [f"model={tiny_llama}", "training.max_steps=2", "data.block_size=64", "data.train_size=2",
+              "data.eval_size=1", "eval.max_new_tokens=2", "eval.heatmap_layer=0", "eval.prompts=[The]",
+              "eval.long_context={documents: 1, length: 700, contexts: [600, 2200], depths: [0.5], trials: 1, "
+              "rope_factor: 2.0, zeros_length: 64, decode_context: 2200, decode_steps: 2}"]
+    assert run("compare", "convert_long", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
+    names = ["softmax_ce", "entmax15_swap", "entmax15_converted", "entmax15_converted_length"]
+    for name in names:
+        result = json.loads((out / f"{name}-seed0" / "results.json").read_text())
+        assert set(result["cross_entropy_by_length"]) == {"0-512", "512-2048"}
+        assert set(result["passkey_accuracy"]) == {"600", "2200"}
+        assert all(v in (0.0, 1.0) for row in result["passkey_accuracy"].values() for v in row.values())
+        assert 0 <= result["attention_zero_share"] <= 1
+        assert result["decode"]["context"] == 2200 and result["decode"]["tokens_per_s"] > 0
+        if name == "softmax_ce":
+            assert result["keys_never_read"] is None and result["attention_zero_share"] == 0
+        else:
+            assert 0 <= result["keys_never_read"] <= 1 and result["keys_never_read_by_context"]["600"] is None
+    text = (out / "report.md").read_text()
+    assert "## At length" in text and "Passkey accuracy at 2200 tokens, rope x2.0" in text
+    assert "(passkey_heatmap.png)" in text and (out / "passkey_heatmap.png").is_file()
