@@ -123,7 +123,7 @@ def test_every_package_ships_and_the_recipes_have_one_copy_at_the_top_level():
     assert set(setuptools["packages"]) == on_disk | {"hf_sparsemax.app.recipes"}
     assert setuptools["package-dir"] == {"hf_sparsemax.app.recipes": "recipes"}
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")) == [
-        "classify.yaml", "convert.yaml", "default.yaml"]
+        "classify.yaml", "convert.yaml", "convert_long.yaml", "default.yaml"]
     assert not os.path.exists(os.path.join(PACKAGE, "app", "recipes"))
 
 
