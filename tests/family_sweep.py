@@ -1,0 +1,153 @@
+"""The family sweep: every causal-LM model type of the installed transformers, from a tiny random config.
+
+Each family is WORKS (patch_model(attn="entmax15") changes the logits, gives exact zeros, trains, generates with
+and without a cache; the library's softmax path equals the model's; unpatch restores it; the sparse loss swaps or
+is refused) or REFUSED (``patch_model`` raises one ValueError and leaves the model as it was), as
+``hf_sparsemax.attention.families.family_verdict`` predicts from the source. ``NOT_BUILT``: model types that no
+tiny config builds here, each with the reason (shown in the docs' table, never counted as checked).
+Run ``python tests/family_sweep.py`` to rewrite the table in docs/attention.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+
+import torch
+import transformers
+
+import hf_sparsemax as hs
+from hf_sparsemax.attention.families import family_verdict
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=128, head_dim=16)
+TWEAKS: dict[str, dict] = {}  # model type -> config changes on top of BASE
+NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds (filled from the sweep's runs)
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def build(model_type: str):
+    """A tiny random float32 model of ``model_type`` in eval mode, eager attention."""
+    config = transformers.AutoConfig.for_model(model_type)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, value in {**BASE, **TWEAKS.get(model_type, {})}.items():
+            try:
+                setattr(part, name, value)
+            except (AttributeError, TypeError, ValueError):
+                pass  # a config without that setting
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def inputs(length: int = 8) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, BASE["vocab_size"], (2, length), generator=generator)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def check_works(model, batch) -> None:
+    """Every step of a family that patches (AssertionError on the first that fails)."""
+    own = logits(model, batch)
+    hs.patch_model(model, attn="sparse_softmax")  # no cut: softmax through the library's path
+    torch.testing.assert_close(logits(model, batch), own, atol=2e-5, rtol=1e-4)
+    hs.patch_model(model, attn="entmax15")
+    sparse = logits(model, batch)
+    assert not torch.allclose(sparse, own), "entmax15 left the logits as they were"
+    with torch.no_grad():
+        weights = [w for w in model(**batch, output_attentions=True).attentions or () if w is not None]
+    assert weights, "no attention weights came back"
+    assert any((w[0] == 0).any() for w in weights), "no exact zeros in the attention"
+    model.train()
+    torch.manual_seed(0)
+    out = model(**batch)
+    out.logits.float().square().mean().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()), "no gradient"
+    model.eval()
+    prompt = {k: v[:1] for k, v in batch.items()}
+    cached = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0)
+    fresh = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=False, pad_token_id=0)
+    assert cached.shape == fresh.shape == (1, prompt["input_ids"].shape[1] + 2)
+    hs.unpatch_model(model)
+    torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
+
+
+def check_loss(model, batch) -> str:
+    """``patch_model(loss="sparsemax")``: WORKS (a finite loss other than cross-entropy) or REFUSED."""
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        own = model(**batch, labels=labels).loss
+    try:
+        hs.patch_model(model, loss="sparsemax")
+    except ValueError:
+        return "REFUSED"
+    with torch.no_grad():
+        sparse = model(**batch, labels=labels).loss
+    assert torch.isfinite(sparse) and not torch.allclose(sparse, own), "the sparse loss did not change the loss"
+    return "WORKS"
+
+
+def sweep(model_type: str) -> tuple[str, str]:
+    """``(attention outcome, loss outcome)`` of one family; AssertionError / any other error: a failing row."""
+    model, batch = build(model_type), inputs()
+    fresh = copy.deepcopy(model)
+    own = logits(model, batch)
+    try:
+        hs.patch_model(model, attn="entmax15")
+    except ValueError:
+        assert model.config._attn_implementation == "eager", "a refused patch changed the model"
+        torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
+        attention = "REFUSED"
+    else:
+        hs.unpatch_model(model)
+        check_works(model, batch)
+        attention = "WORKS"
+    return attention, check_loss(fresh, batch)
+
+
+TABLE_START, TABLE_END = "<!-- family table: start -->", "<!-- family table: end -->"
+
+
+def table() -> str:
+    """The docs' family table, from the source reading the sweep is checked against."""
+    rows = [f"Checked with transformers {transformers.__version__} by `tests/test_family_sweep.py` (every causal-LM "
+            "model type, tiny random configs). WORKS: `patch_model(attn=...)` serves it; REFUSED: `patch_model` "
+            "raises a `ValueError` saying why, and the model is left as it was.", "",
+            "| model type | attention | why refused |", "| --- | --- | --- |"]
+    for model_type in causal_lm_types():
+        if model_type in NOT_BUILT:
+            rows.append(f"| `{model_type}` | not built | {NOT_BUILT[model_type]} |")
+            continue
+        reason = family_verdict(model_type)
+        rows.append(f"| `{model_type}` | {'REFUSED' if reason else 'WORKS'} | {reason or ''} |")
+    return "\n".join(rows)
+
+
+def docs_section(text: str) -> str:
+    match = re.search(re.escape(TABLE_START) + r"\n(.*?)\n" + re.escape(TABLE_END), text, re.S)
+    return match.group(1) if match else ""
+
+
+if __name__ == "__main__":
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "attention.md")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if TABLE_START not in text:
+        sys.exit(f"{path} has no {TABLE_START} marker")
+    text = text.replace(TABLE_START + "\n" + docs_section(text) + "\n" + TABLE_END,
+                        TABLE_START + "\n" + table() + "\n" + TABLE_END)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
