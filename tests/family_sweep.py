@@ -23,7 +23,21 @@ from hf_sparsemax.attention.families import family_verdict
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=128, head_dim=16)
-TWEAKS: dict[str, dict] = {}  # model type -> config changes on top of BASE
+BASE.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
+SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=128, decoder_ffn_dim=128)
+HYBRID = dict(num_hidden_layers=4)  # at least one attention layer among the linear / recurrent ones
+TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
+    **{t: MLA for t in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
+                        "longcat_flash", "minicpm3", "sarvam_mla", "youtu", "dory")},
+    **{t: SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
+                            "pegasus", "plbart")},
+    **{t: HYBRID for t in ("bamba", "granitemoehybrid", "jamba", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+                           "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
+                           "zamba2")},
+    "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
+}
 NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds (filled from the sweep's runs)
 
 
