@@ -28,6 +28,8 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_
 SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                encoder_ffn_dim=128, decoder_ffn_dim=128)
 HYBRID = dict(num_hidden_layers=4)  # at least one attention layer among the linear / recurrent ones
+NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rwkv": "a tiny config runs no forward",
+              "xlstm": "a tiny config runs no forward"}  # built and refused at patch time, but not run
 TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: MLA for t in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
                         "longcat_flash", "minicpm3", "sarvam_mla", "youtu", "dory")},
@@ -38,7 +40,49 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
                            "zamba2")},
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
 }
-NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds (filled from the sweep's runs)
+NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
+    "bailing_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "bamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "blt": "TimeoutError: slow to build (over 15 s)",
+    "cohere_compass_text": "KeyError: 'full_attention'",
+    "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
+    "dots1": "TypeError: empty() takes 1 positional argument but 3 were given",
+    "dots3_note": "RuntimeError: The size of tensor a (32) must match the size of tensor b (2) at non-s",
+    "dots3_note_text": "RuntimeError: The size of tensor a (32) must match the size of tensor b (2) at non-s",
+    "gemma3": "TimeoutError: slow to build (over 15 s)",
+    "gemma3n": "ImportError: ",
+    "gemma3n_text": "IndexError: list assignment index out of range",
+    "gemma4": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_assistant": "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
+    "gemma4_text": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified_assistant": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified_text": "ValueError: The set of layer types producing a cache is different than the set of",
+    "granitemoehybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "hrm_text": "IndexError: list index out of range",
+    "hy_v4": "RuntimeError: The size of tensor a (64) must match the size of tensor b (16) at non-",
+    "jamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "kimi_linear": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
+    "lfm3": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "moss_transcribe_diarize": "TimeoutError: slow to build (over 15 s)",
+    "musicgen": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
+    "musicgen_melody": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
+    "olmo_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "phi4_multimodal": "TimeoutError: slow to build (over 15 s)",
+    "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
+    "qwen3_5_moe": "TimeoutError: slow to build (over 15 s)",
+    "qwen3_5_moe_text": "TimeoutError: slow to build (over 15 s)",
+    "qwen3_next": "TimeoutError: slow to build (over 15 s)",
+    "qwen4_exp": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    "qwen4_exp_text": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    "reformer": "ValueError: Make sure that config.axial_pos_embds factors: (64, 192) sum to config",
+    "whisper": "ValueError: embed_dim must be divisible by num_heads (got embed_dim: 64 and num_he",
+    "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
+    "xmod": "ValueError: Input language unknown. Please call XmodPreTrainedModel.set_default_la",
+    "zamba": "RuntimeError: The size of tensor a (7424) must match the size of tensor b (128) at n",
+    "zamba2": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+}
 
 
 def causal_lm_types() -> list[str]:
@@ -77,7 +121,8 @@ def check_works(model, batch) -> None:
     """Every step of a family that patches (AssertionError on the first that fails)."""
     own = logits(model, batch)
     hs.patch_model(model, attn="sparse_softmax")  # no cut: softmax through the library's path
-    torch.testing.assert_close(logits(model, batch), own, atol=2e-5, rtol=1e-4)
+    real = batch["attention_mask"].bool()  # padded positions: eager spreads them evenly, the library zeroes them
+    torch.testing.assert_close(logits(model, batch)[real], own[real], atol=2e-5, rtol=1e-4)
     hs.patch_model(model, attn="entmax15")
     sparse = logits(model, batch)
     assert not torch.allclose(sparse, own), "entmax15 left the logits as they were"
@@ -118,13 +163,13 @@ def sweep(model_type: str) -> tuple[str, str]:
     """``(attention outcome, loss outcome)`` of one family; AssertionError / any other error: a failing row."""
     model, batch = build(model_type), inputs()
     fresh = copy.deepcopy(model)
-    own = logits(model, batch)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
     try:
         hs.patch_model(model, attn="entmax15")
     except ValueError:
         assert model.config._attn_implementation == "eager", "a refused patch changed the model"
-        torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
-        attention = "REFUSED"
+        assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+        return "REFUSED", "not run" if model_type in NO_FORWARD else check_loss(fresh, batch)
     else:
         hs.unpatch_model(model)
         check_works(model, batch)
@@ -161,7 +206,7 @@ if __name__ == "__main__":
         text = handle.read()
     if TABLE_START not in text:
         sys.exit(f"{path} has no {TABLE_START} marker")
-    text = text.replace(TABLE_START + "\n" + docs_section(text) + "\n" + TABLE_END,
-                        TABLE_START + "\n" + table() + "\n" + TABLE_END)
+    start, end = text.index(TABLE_START), text.index(TABLE_END)
+    text = text[:start] + TABLE_START + "\n" + table() + "\n" + text[end:]
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)

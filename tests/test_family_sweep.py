@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_family_works_or_is_refused_at_patch_time(model_type):
     attention, loss = sweep(model_type)
     assert attention == ("REFUSED" if family_verdict(model_type) else "WORKS"), family_verdict(model_type)
-    assert loss in ("WORKS", "REFUSED")
+    assert loss in ("WORKS", "REFUSED", "not run")
 
 
 def test_docs_table_and_supported_families_agree_with_the_sweep():
