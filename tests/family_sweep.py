@@ -38,6 +38,9 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: HYBRID for t in ("bamba", "granitemoehybrid", "jamba", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
                            "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
                            "zamba2")},
+    **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie",
+                                          "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
+                                          "xlm-roberta-xl")},  # their causal-LM heads want a decoder
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
 }
 NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
