@@ -1,7 +1,7 @@
 """What the swap points need to know about a transformers model, and how they shadow its methods.
 
 ``base_model`` unwraps a peft ``PeftModel``; ``model_task`` reads the head's
-task from transformers' ``loss_type``; ``set_instance_method`` shadows a class
+task from transformers' ``loss_type`` (as ``model.loss_function`` reads it: :func:`loss_type`); ``set_instance_method`` shadows a class
 method on one instance only, tagged so that it can be removed again (every
 swap of this library is undoable). Kept apart from ``patch.py`` and
 ``generation.py`` so that neither has to import the other.
@@ -32,8 +32,18 @@ def base_model(model) -> nn.Module:
     return inner
 
 
+def loss_type(model) -> str:
+    """The loss type whose loss ``model.loss_function`` computes: ``model.loss_type``, or ``"ForCausalLM"`` where
+    that is None or unknown to transformers (its own fallback: GPT-2's ``GPT2LMHeadModel``, BERT's
+    ``BertLMHeadModel``, ...)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    value = getattr(model, "loss_type", None)
+    return value if value in LOSS_MAPPING else "ForCausalLM"
+
+
 def model_task(model) -> str:
-    task = TASKS.get(getattr(model, "loss_type", None))
+    task = TASKS.get(loss_type(model))
     if task is None or not routes_loss_function(model):
         raise ValueError(
             f"{type(model).__name__} (loss_type={getattr(model, 'loss_type', None)!r}) does not route its loss "

@@ -17,8 +17,8 @@ from .interface import (
     LearnedAlpha,
     register_attention,
     sparse_attention_forward,
-    supported_families,
 )
+from .families import supported_families
 
 __all__ = ["ALPHA_ATTR", "ATTENTION_MAPPINGS", "ATTENTION_OPTIONS", "OPTIONS_ATTR", "AttentionOptions", "LearnedAlpha",
            "register_attention", "sparse_attention_forward", "supported_families"]

@@ -90,6 +90,8 @@ HARMLESS_KWARGS = frozenset(
     }
 )
 
+READ_KWARGS = frozenset({"sinks"})  # keyword arguments the attention applies (sinks by Inkling-2's name: attention_sinks)
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
@@ -203,7 +205,7 @@ def attention_probabilities(module: nn.Module, scores: torch.Tensor, mapping: st
 def check_kwargs(kwargs: dict[str, typing.Any], mapping: str) -> None:
     """Refuse a keyword the model passes that would change the attention and that this path does not apply."""
     for name, value in kwargs.items():
-        if name in HARMLESS_KWARGS or value is None or value is False:
+        if name in HARMLESS_KWARGS or name in READ_KWARGS or value is None or value is False:
             continue
         raise ValueError(
             f"{mapping} attention does not know the argument {name!r} this model passes to its attention "
@@ -223,8 +225,8 @@ def attend(module, query, *, key, value, mask, scaling, dropout, softcap, positi
         scores = scores + position_bias
     if mask is not None:
         scores = scores + mask
-    if sinks is not None:  # one extra logit per head that takes part in the mapping and is dropped after
-        column = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+    if sinks is not None:  # one extra logit per head (or per query) that takes part in the mapping, dropped after
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
         weights = attention_probabilities(module, torch.cat([scores, column], dim=-1), mapping)[..., :-1]
     else:
         weights = attention_probabilities(module, scores, mapping)
@@ -270,6 +272,7 @@ def sparse_attention_forward(
 def scaled_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
                              position_bias=None, s_aux=None, *, mapping: str, **kwargs):
     """:func:`sparse_attention_forward` of queries already scaled (the module's query scales not applied again)."""
+    s_aux = attention_sinks(s_aux, kwargs.pop("sinks", None), query)
     layer = take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -310,24 +313,42 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
     if key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, sinks=s_aux, mapping=mapping)
+    extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, mapping=mapping)
     if chunk is None or q_len <= chunk or weights_requested(kwargs):
         weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias,
-                              causal=0 if causal else None, **extras)
+                              sinks=s_aux, causal=0 if causal else None, **extras)
         return out.transpose(1, 2).contiguous(), weights
     block = functools.partial(attend, module, key=key, value=value, **extras)
 
-    def run(q_rows, mask_rows, bias_rows, first):
-        return block(q_rows, mask=mask_rows, position_bias=bias_rows, causal=first)[1]
+    def run(q_rows, mask_rows, bias_rows, sink_rows, first):
+        return block(q_rows, mask=mask_rows, position_bias=bias_rows, sinks=sink_rows, causal=first)[1]
 
     outputs = []
     for start in range(0, q_len, chunk):
         rows = slice(start, start + chunk)
         operands = (query[..., rows, :], query_rows(attention_mask, rows), query_rows(position_bias, rows),
-                    start if causal else None)
+                    query_rows(s_aux, rows), start if causal else None)
         grad = torch.is_grad_enabled()
         outputs.append(checkpoint(run, *operands, use_reentrant=False) if grad else run(*operands))
     return torch.cat(outputs, dim=-2).transpose(1, 2).contiguous(), None
+
+
+def attention_sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None,
+                    query: torch.Tensor) -> torch.Tensor | None:
+    """The attention sinks a model passes, by either name transformers' families use (GPT-OSS: ``s_aux``, one
+    logit per head ``[H]``; Inkling-2: ``sinks``, one per query ``[B, H, q, 1]``), as one ``[B|1, H, q|1, 1]``
+    logit column (None: no sinks); both names at once is refused."""
+    if s_aux is not None and sinks is not None:
+        raise ValueError("the model passes attention sinks twice (s_aux and sinks): the attention takes one set")
+    sinks = s_aux if s_aux is not None else sinks
+    if sinks is None:
+        return None
+    if sinks.dim() == 1:
+        sinks = sinks.reshape(1, -1, 1, 1)
+    if sinks.dim() != 4 or sinks.shape[-1] != 1 or sinks.shape[1] not in (1, query.shape[1]):
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} fit neither [heads] nor [batch, heads, "
+                         f"queries, 1] for queries {tuple(query.shape)}")
+    return sinks
 
 
 def is_causal(module: nn.Module, q_len: int, mask: torch.Tensor | None, kwargs: dict[str, typing.Any]) -> bool:
@@ -439,20 +460,6 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if routes_attention(type(module))]
 
 
-def check_supported(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules, or a ``ValueError`` naming a family whose attention cannot be swapped."""
-    modules = attention_modules(model)
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if not modules or (can_set is not None and not can_set()):
-        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ValueError(
-            f"the {family!r} family ({type(model).__name__}) hard-codes its attention softmax instead of calling "
-            "transformers' attention interface, so its attention cannot be swapped; "
-            "hf_sparsemax.supported_families() lists the families that work (the loss can still be swapped)"
-        )
-    return modules
-
-
 def num_heads(module: nn.Module) -> int:
     """Number of query heads of an attention module (for a learned alpha per head)."""
     for owner in (module, getattr(module, "config", None)):
@@ -461,29 +468,3 @@ def num_heads(module: nn.Module) -> int:
             if isinstance(value, int) and value > 0:
                 return value
     raise ValueError(f"cannot tell the number of heads of {type(module).__name__}: learn_alpha is not available here")
-
-
-@functools.lru_cache(maxsize=1)
-def supported_families() -> tuple[str, ...]:
-    """Model types (``config.model_type``) whose attention goes through transformers' attention interface.
-
-    Read from the modeling files of the installed transformers (without
-    importing them), by the same rule transformers applies before switching
-    an attention implementation.
-    """
-    import re
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-
-    root = os.path.dirname(importlib.import_module("transformers.models").__file__)
-    families = []
-    for model_type in CONFIG_MAPPING_NAMES:
-        name = model_type_to_module_name(model_type)
-        path = os.path.join(root, name, f"modeling_{name}.py")
-        if not os.path.exists(path):
-            continue
-        with open(path, encoding="utf-8") as handle:
-            code = handle.read()
-        if f"{INTERFACE_NAME}.get_interface(" in code and re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M):
-            families.append(model_type)
-    return tuple(sorted(families))

@@ -20,7 +20,8 @@ from torch import nn
 
 from .._model import base_model
 from ..attention.interface import ALPHA_ATTR, ATTENTION_MAPPINGS, OPTIONS_ATTR, AttentionOptions, LearnedAlpha
-from ..attention.interface import check_supported, num_heads
+from ..attention.families import check_supported
+from ..attention.interface import num_heads
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale
 from ..settings import SparseSettings
 from ..attention import pages

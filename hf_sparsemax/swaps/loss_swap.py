@@ -14,13 +14,14 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from .._model import base_model, model_task, routes_loss_function
+from .._model import base_model, loss_type, model_task, routes_loss_function
 from ..losses.names import make_loss
 from ..mappings import registry
 from ..settings import SparseSettings
 from .protocol import PatchRequest
 
 TASKS = ("causal_lm", "sequence_classification", "token_classification")
+LOSS_TYPE_ATTR = "_hf_sparsemax_loss_type"  # the loss_type a model had before the swap named transformers' fallback
 
 
 def reduce_items(loss_sum: torch.Tensor, num_items_in_batch, fallback_count: torch.Tensor) -> torch.Tensor:
@@ -136,10 +137,17 @@ class LossSwap:
     def apply(self, model, plan: LossPlan) -> None:
         inner = base_model(model)
         inner.loss_function = plan.loss_function
+        if plan.task == "causal_lm" and getattr(inner, "loss_type", None) != loss_type(inner):
+            # transformers' fallback (loss_type None: GPT-2, BERT's LM head) made explicit, so that Trainer counts
+            # num_items_in_batch over the shifted labels the loss trains (its check: LOSS_MAPPING.get(loss_type))
+            setattr(inner, LOSS_TYPE_ATTR, inner.loss_type)
+            inner.loss_type = loss_type(inner)
 
     def remove(self, model) -> None:
         inner = base_model(model)
         vars(inner).pop("_loss_function", None)
+        if LOSS_TYPE_ATTR in vars(inner):
+            inner.loss_type = vars(inner).pop(LOSS_TYPE_ATTR)
 
 
 def compute_loss_func(loss: str, task: str = "causal_lm", ignore_index: int = -100, **loss_options):

@@ -1,0 +1,215 @@
+"""The family sweep: every causal-LM model type of the installed transformers, from a tiny random config.
+
+Each family is WORKS (patch_model(attn="entmax15") changes the logits, gives exact zeros, trains, generates with
+and without a cache; the library's softmax path equals the model's; unpatch restores it; the sparse loss swaps or
+is refused) or REFUSED (``patch_model`` raises one ValueError and leaves the model as it was), as
+``hf_sparsemax.attention.families.family_verdict`` predicts from the source. ``NOT_BUILT``: model types that no
+tiny config builds here, each with the reason (shown in the docs' table, never counted as checked).
+Run ``python tests/family_sweep.py`` to rewrite the table in docs/attention.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+
+import torch
+import transformers
+
+import hf_sparsemax as hs
+from hf_sparsemax.attention.families import family_verdict
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=128, head_dim=16)
+BASE.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
+SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=128, decoder_ffn_dim=128)
+HYBRID = dict(num_hidden_layers=4)  # at least one attention layer among the linear / recurrent ones
+NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rwkv": "a tiny config runs no forward",
+              "xlstm": "a tiny config runs no forward"}  # built and refused at patch time, but not run
+TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
+    **{t: MLA for t in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
+                        "longcat_flash", "minicpm3", "sarvam_mla", "youtu", "dory")},
+    **{t: SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
+                            "pegasus", "plbart")},
+    **{t: HYBRID for t in ("bamba", "granitemoehybrid", "jamba", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+                           "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
+                           "zamba2")},
+    **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie",
+                                          "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
+                                          "xlm-roberta-xl")},  # their causal-LM heads want a decoder
+    "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
+}
+NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
+    "bailing_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "bamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "blt": "TimeoutError: slow to build (over 15 s)",
+    "cohere_compass_text": "KeyError: 'full_attention'",
+    "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
+    "dots1": "TypeError: empty() takes 1 positional argument but 3 were given",
+    "dots3_note": "RuntimeError: The size of tensor a (32) must match the size of tensor b (2) at non-s",
+    "dots3_note_text": "RuntimeError: The size of tensor a (32) must match the size of tensor b (2) at non-s",
+    "gemma3": "TimeoutError: slow to build (over 15 s)",
+    "gemma3n": "ImportError: ",
+    "gemma3n_text": "IndexError: list assignment index out of range",
+    "gemma4": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_assistant": "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
+    "gemma4_text": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified_assistant": "ValueError: The set of layer types producing a cache is different than the set of",
+    "gemma4_unified_text": "ValueError: The set of layer types producing a cache is different than the set of",
+    "granitemoehybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "hrm_text": "IndexError: list index out of range",
+    "hy_v4": "RuntimeError: The size of tensor a (64) must match the size of tensor b (16) at non-",
+    "jamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "kimi_linear": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
+    "lfm3": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "moss_transcribe_diarize": "TimeoutError: slow to build (over 15 s)",
+    "musicgen": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
+    "musicgen_melody": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
+    "olmo_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+    "phi4_multimodal": "TimeoutError: slow to build (over 15 s)",
+    "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
+    "qwen3_5_moe": "TimeoutError: slow to build (over 15 s)",
+    "qwen3_5_moe_text": "TimeoutError: slow to build (over 15 s)",
+    "qwen3_next": "TimeoutError: slow to build (over 15 s)",
+    "qwen4_exp": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    "qwen4_exp_text": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    "reformer": "ValueError: Make sure that config.axial_pos_embds factors: (64, 192) sum to config",
+    "whisper": "ValueError: embed_dim must be divisible by num_heads (got embed_dim: 64 and num_he",
+    "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
+    "xmod": "ValueError: Input language unknown. Please call XmodPreTrainedModel.set_default_la",
+    "zamba": "RuntimeError: The size of tensor a (7424) must match the size of tensor b (128) at n",
+    "zamba2": "ValueError: get_seq_length can only be called on Attention layers, and the current",
+}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def build(model_type: str):
+    """A tiny random float32 model of ``model_type`` in eval mode, eager attention."""
+    config = transformers.AutoConfig.for_model(model_type)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, value in {**BASE, **TWEAKS.get(model_type, {})}.items():
+            try:
+                setattr(part, name, value)
+            except (AttributeError, TypeError, ValueError):
+                pass  # a config without that setting
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def inputs(length: int = 8) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, BASE["vocab_size"], (2, length), generator=generator)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def check_works(model, batch) -> None:
+    """Every step of a family that patches (AssertionError on the first that fails)."""
+    own = logits(model, batch)
+    hs.patch_model(model, attn="sparse_softmax")  # no cut: softmax through the library's path
+    real = batch["attention_mask"].bool()  # padded positions: eager spreads them evenly, the library zeroes them
+    torch.testing.assert_close(logits(model, batch)[real], own[real], atol=2e-5, rtol=1e-4)
+    hs.patch_model(model, attn="entmax15")
+    sparse = logits(model, batch)
+    assert not torch.allclose(sparse, own), "entmax15 left the logits as they were"
+    with torch.no_grad():
+        weights = [w for w in model(**batch, output_attentions=True).attentions or () if w is not None]
+    assert weights, "no attention weights came back"
+    assert any((w[0] == 0).any() for w in weights), "no exact zeros in the attention"
+    model.train()
+    torch.manual_seed(0)
+    out = model(**batch)
+    out.logits.float().square().mean().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()), "no gradient"
+    model.eval()
+    prompt = {k: v[:1] for k, v in batch.items()}
+    cached = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0)
+    fresh = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=False, pad_token_id=0)
+    assert cached.shape == fresh.shape == (1, prompt["input_ids"].shape[1] + 2)
+    hs.unpatch_model(model)
+    torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
+
+
+def check_loss(model, batch) -> str:
+    """``patch_model(loss="sparsemax")``: WORKS (a finite loss other than cross-entropy) or REFUSED."""
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        own = model(**batch, labels=labels).loss
+    try:
+        hs.patch_model(model, loss="sparsemax")
+    except ValueError:
+        return "REFUSED"
+    with torch.no_grad():
+        sparse = model(**batch, labels=labels).loss
+    assert torch.isfinite(sparse) and not torch.allclose(sparse, own), "the sparse loss did not change the loss"
+    return "WORKS"
+
+
+def sweep(model_type: str) -> tuple[str, str]:
+    """``(attention outcome, loss outcome)`` of one family; AssertionError / any other error: a failing row."""
+    model, batch = build(model_type), inputs()
+    fresh = copy.deepcopy(model)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    try:
+        hs.patch_model(model, attn="entmax15")
+    except ValueError:
+        assert model.config._attn_implementation == "eager", "a refused patch changed the model"
+        assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+        return "REFUSED", "not run" if model_type in NO_FORWARD else check_loss(fresh, batch)
+    else:
+        hs.unpatch_model(model)
+        check_works(model, batch)
+        attention = "WORKS"
+    return attention, check_loss(fresh, batch)
+
+
+TABLE_START, TABLE_END = "<!-- family table: start -->", "<!-- family table: end -->"
+
+
+def table() -> str:
+    """The docs' family table, from the source reading the sweep is checked against."""
+    rows = [f"Checked with transformers {transformers.__version__} by `tests/test_family_sweep.py` (every causal-LM "
+            "model type, tiny random configs). WORKS: `patch_model(attn=...)` serves it; REFUSED: `patch_model` "
+            "raises a `ValueError` saying why, and the model is left as it was.", "",
+            "| model type | attention | why refused |", "| --- | --- | --- |"]
+    for model_type in causal_lm_types():
+        if model_type in NOT_BUILT:
+            rows.append(f"| `{model_type}` | not built | {NOT_BUILT[model_type]} |")
+            continue
+        reason = family_verdict(model_type)
+        rows.append(f"| `{model_type}` | {'REFUSED' if reason else 'WORKS'} | {reason or ''} |")
+    return "\n".join(rows)
+
+
+def docs_section(text: str) -> str:
+    match = re.search(re.escape(TABLE_START) + r"\n(.*?)\n" + re.escape(TABLE_END), text, re.S)
+    return match.group(1) if match else ""
+
+
+if __name__ == "__main__":
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "attention.md")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if TABLE_START not in text:
+        sys.exit(f"{path} has no {TABLE_START} marker")
+    start, end = text.index(TABLE_START), text.index(TABLE_END)
+    text = text[:start] + TABLE_START + "\n" + table() + "\n" + text[end:]
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
