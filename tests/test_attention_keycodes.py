@@ -250,7 +250,8 @@ def test_memory_of_the_codes():
     codes.reserve(1000, 1000)
     slots = codes.codes.shape[2]
     assert slots == 1024 and codes.nbytes() == slots * 3 * (64 + 4) + 3 * 16
-    assert (64 + 4) / (4 * 64) < 0.27
+    dense = slots * 3 * 64 * key.element_size()
+    assert codes.nbytes() / dense < 0.27
 
 
 @pytest.mark.slow
