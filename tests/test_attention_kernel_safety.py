@@ -218,3 +218,32 @@ def test_the_solver_constants_are_the_python_modules():
     params = kernel.solver_params()
     assert params.tolerance == entmax.TOLERANCE and params.max_iter == entmax.MAX_ITER
     assert params.candidate_margin == compiled.CANDIDATE_MARGIN and params.sort_below == kernel.SORT_BELOW
+
+
+def paged(problem):
+    """The problem's keys and values as a paged cache (``[slots, Hkv, D]`` rows, batch row b's keys at slots
+    ``b * keys + j``) and its slot table."""
+    batch, kv_heads, keys, dim = problem.key.shape
+    rows = lambda t: t.permute(0, 2, 1, 3).reshape(batch * keys, kv_heads, t.shape[-1]).contiguous()  # noqa: E731
+    return rows(problem.key), rows(problem.value), torch.arange(batch * keys).view(batch, keys)
+
+
+def test_every_entry_reads_one_alpha_per_query_head_and_only_in_its_range():
+    """Issue 54: ``paged_decode`` took an alpha per kv head ``[1, Hkv, 1, 1, 1]`` with 2 query heads a group and C
+    read past it; ``decode`` had no alpha range check (alpha 3 answered 0.25 off). Now one helper checks alphas for
+    every entry: an alpha per kv head is broadcast to its query heads, an alpha outside (1, 2] is left to the
+    general path (None), any other shape is a ValueError."""
+    problem = grouped_problem()
+    key_rows, value_rows, slots = paged(problem)
+    per_kv_head = torch.tensor([1.3, 1.7]).view(1, 2, 1, 1, 1)
+    per_query_head = per_kv_head.expand(1, 2, 2, 1, 1)
+    for call in (lambda a: kernel.decode(problem, a),
+                 lambda a: kernel.paged_decode(problem.query, key_rows, value_rows, slots, None, a, 0.5)):
+        want = call(per_query_head.contiguous())
+        assert want is not None and torch.equal(call(per_kv_head), want)
+        for alpha in (3.0, 6.0, 1.0, torch.full((1, 2, 2, 1, 1), 3.0)):
+            assert call(alpha) is None  # not served: the general path bisects
+        with pytest.raises(ValueError, match="alpha has shape"):
+            call(torch.full((1, 2, 3, 1, 1), 1.5))
+    paged_out = kernel.paged_decode(problem.query, key_rows, value_rows, slots, None, per_kv_head, 0.5)
+    torch.testing.assert_close(paged_out, kernel.decode(problem, per_query_head.contiguous()), rtol=0, atol=0)

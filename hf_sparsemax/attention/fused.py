@@ -228,10 +228,10 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     query = checked("query", query.contiguous(), (batch, kv_heads, groups, rows, dim), device)
     checked("key", key, (batch, kv_heads, keys, dim), device)
     checked("value", value, (batch, kv_heads, keys, None), device)
-    alphas = None
-    if isinstance(alpha, torch.Tensor):
-        alphas = alpha.detach().to(device=device, dtype=torch.float32).contiguous()
-        checked("alpha", alphas, (1, kv_heads, groups, 1, 1), device)
+    per_row = row_alphas(alpha, kv_heads, groups * rows, device, groups)
+    if per_row is None:
+        return None
+    alphas = per_row[0]
     mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), device)
     out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -329,7 +329,7 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     checked("value rows", value_rows, (key_rows.shape[0], kv_heads, None), device)
     slots = checked("slots", slots.to(torch.int64).contiguous(), (batch, keys), device)
     check_slots(slots, key_rows.shape[0])
-    per_row = row_alphas(alpha, kv_heads, groups * rows, device)
+    per_row = row_alphas(alpha, kv_heads, groups * rows, device, groups)
     if per_row is None:
         return None
     alphas = per_row[0]
@@ -353,16 +353,23 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     return None if stopped else out
 
 
-def row_alphas(alpha, kv_heads: int, rows: int, device) -> tuple[torch.Tensor | None, int] | None:
-    """``(alphas, q_rows)`` for the kernel from a block's ``alpha``: a float in (1, 2] (None, ``rows``), or a
-    learned ``[1, Hkv, G, 1, 1]`` with every alpha in (1, 2] (its float32 alphas, one per query head, and the
-    ``rows // G`` rows of each head); None where the kernel does not serve that alpha (beyond (1, 2], Newton's
-    ``h`` is not convex: the general path bisects)."""
+def row_alphas(alpha, kv_heads: int, rows: int, device,
+               groups: int | None = None) -> tuple[torch.Tensor | None, int] | None:
+    """``(alphas, q_rows)`` for the kernel from a call's ``alpha``, the one check of every entry point (decoding
+    steps, paged decoding, prefill blocks): a float in (1, 2] (None, ``rows``), or a learned ``[1, Hkv, G, 1, 1]``
+    with every alpha in (1, 2] (its float32 alphas, one per query head, and the ``rows // G`` rows of each head);
+    None where the kernel does not serve that alpha (beyond (1, 2], Newton's ``h`` is not convex: the general path
+    bisects). ``groups``: the call's query heads per kv head where the caller knows them (an alpha per kv head,
+    ``[1, Hkv, 1, 1, 1]``, is then broadcast to them: the kernel reads one alpha per query head); any other shape
+    is a ValueError naming it."""
     if not isinstance(alpha, torch.Tensor):
         return (None, rows) if 1.0 < float(alpha) <= 2.0 else None
-    alphas = alpha.detach().to(device=device, dtype=torch.float32).contiguous()
-    groups = alphas.shape[2] if alphas.dim() == 5 else None
-    checked("alpha", alphas, (1, kv_heads, groups, 1, 1), device)
+    alphas = alpha.detach().to(device=device, dtype=torch.float32)
+    if groups is None:
+        groups = alphas.shape[2] if alphas.dim() == 5 else None
+    elif alphas.dim() == 5 and alphas.shape[2] == 1 and alphas.shape[:2] == (1, kv_heads):
+        alphas = alphas.expand(1, kv_heads, groups, 1, 1)
+    alphas = checked("alpha", alphas.contiguous(), (1, kv_heads, groups, 1, 1), device)
     if groups == 0 or rows % groups:
         raise ValueError(f"fused attention kernel: {rows} score rows are not {groups} query heads' rows each")
     if not bool(((alphas > 1) & (alphas <= 2)).all()):
