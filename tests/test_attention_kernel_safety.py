@@ -143,7 +143,7 @@ def test_the_struct_is_the_one_declaration_of_both_sides():
     assert declared == [name for name, *_ in kernel.FIELDS] == [name for name, _ in kernel.Params._fields_]
     with open(kernel_build.SOURCE, encoding="utf-8") as handle:
         source = handle.read()
-    assert '#include "hf_sparsemax_params.h"' in source and "typedef struct {\n    int64_t batch" not in source
+    assert "#include HF_SPARSEMAX_PARAMS" in source and "typedef struct {\n    int64_t batch" not in source
     code = re.sub(r"/\*.*?\*/", "", source, flags=re.S)  # the solver's constants are not restated in C
     assert not re.search(r"1e-1[0-9]|\b200\b|\b100\b|1\.01|-1\.0\)", code)
 
@@ -247,3 +247,20 @@ def test_every_entry_reads_one_alpha_per_query_head_and_only_in_its_range():
             call(torch.full((1, 2, 3, 1, 1), 1.5))
     paged_out = kernel.paged_decode(problem.query, key_rows, value_rows, slots, None, per_kv_head, 0.5)
     torch.testing.assert_close(paged_out, kernel.decode(problem, per_query_head.contiguous()), rtol=0, atol=0)
+
+
+def test_a_stray_header_beside_the_source_does_not_win(tmp_path, monkeypatch):
+    """Issue 54: fused.c included its generated header by a quoted name, which the compiler looks for beside the
+    source first: a stray ``hf_sparsemax_params.h`` there won over the generated one. Now the build passes its
+    absolute path."""
+    source = tmp_path / "src" / "fused.c"
+    source.parent.mkdir()
+    source.write_text(open(kernel_build.SOURCE, encoding="utf-8").read(), encoding="utf-8")
+    (source.parent / kernel_build.HEADER).write_text("#error a stray header was included\n", encoding="utf-8")
+    monkeypatch.setattr(kernel_build, "SOURCE", str(source))
+    out = tmp_path / "out"
+    out.mkdir()
+    path = kernel_build.compile_into(str(out), "fused-test.so", kernel_build.compiler(), kernel_build.FLAGS,
+                                     kernel.header())
+    assert ctypes.CDLL(path).hf_sparsemax_params_size() == ctypes.sizeof(kernel.Params)
+    assert sorted(p.name for p in out.iterdir()) == ["fused-test.so"]  # no partial build left behind

@@ -28,7 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "hf_sparsemax_params.h"
+/* The generated header, by the absolute path the build passes (kernel_build.py): never a stray file beside this
+   source, which a quoted name would find first. */
+#include HF_SPARSEMAX_PARAMS
 
 /* The size the library was built for: the loader compares it with its own struct before any call. */
 int64_t hf_sparsemax_params_size(void) { return (int64_t)sizeof(hf_sparsemax_params); }

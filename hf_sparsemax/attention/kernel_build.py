@@ -25,11 +25,13 @@ there once, and processes after load it (a folder they cannot write is fine).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
 import platform
 import shlex
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -90,8 +92,11 @@ def wanted_folder() -> str:
 
 @functools.lru_cache(maxsize=None)
 def private_folder() -> str:
-    """A folder for this process alone (mode 0700), where the shared one cannot be used."""
-    return tempfile.mkdtemp(prefix="hf_sparsemax-")
+    """A folder for this process alone (mode 0700), where the shared one cannot be used; removed when the process
+    exits (a library loaded from it stays mapped until then)."""
+    folder = tempfile.mkdtemp(prefix="hf_sparsemax-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def folder_problem(folder: str) -> str | None:
@@ -157,7 +162,9 @@ def compile_into(folder: str, name: str, command: list[str], flags: tuple[str, .
         with tempfile.TemporaryDirectory(prefix="hf_sparsemax-build-") as include:
             with open(os.path.join(include, HEADER), "w", encoding="utf-8") as out:
                 out.write(header)
-            done = subprocess.run([*command, *flags, "-I", include, SOURCE, "-o", partial, "-lm"],
+            params = os.path.join(include, HEADER)  # by its absolute path: a stray header beside SOURCE never wins
+            done = subprocess.run([*command, *flags, f'-DHF_SPARSEMAX_PARAMS="{params}"', SOURCE, "-o", partial,
+                                   "-lm"],
                                   capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
