@@ -72,10 +72,13 @@ def reset_counts() -> None:
 def layer_kinds() -> tuple[type, ...]:
     """The cache layers whose keys a summary can follow: appended to (``DynamicLayer``: a new tensor, the old
     one its prefix) or written in place after the filled length (``StaticLayer``). Not a sliding window (drops
-    its oldest keys) nor a quantized cache (hands the attention other tensors than it keeps)."""
+    its oldest keys) nor a quantized cache (hands the attention other tensors than it keeps). The library's
+    :class:`.growing_cache.GrowingLayer` appends in place after its filled views (a new view each step)."""
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
-    return DynamicLayer, StaticLayer
+    from .growing_cache import GrowingLayer
+
+    return DynamicLayer, StaticLayer, GrowingLayer
 
 
 def filled(layer) -> int:
@@ -181,10 +184,21 @@ def take_layer(module):
     return None if ref is None else ref()
 
 
+def strided_rows(layer, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``key`` / ``value`` are a :class:`.growing_cache.GrowingLayer`'s views of its buffers (rows
+    contiguous, heads strided by the capacity: the fused kernel reads them by their strides; page gathers read a
+    contiguous copy)."""
+    from .growing_cache import GrowingLayer
+
+    return isinstance(layer, GrowingLayer) and value is layer.values and layer.views_buffers()
+
+
 def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[PageSummary, int] | None:
     """``(summary, filled length)`` of the cache ``layer`` if this call got its keys, or None: no layer, too few
     keys (fewer than ``MIN_KEYS``, or not one full page), skipping switched off."""
-    if layer is None or layer.keys is not key or not enabled() or not (key.is_contiguous() and value.is_contiguous()):
+    if layer is None or layer.keys is not key or not enabled():
+        return None
+    if not (key.is_contiguous() and value.is_contiguous() or strided_rows(layer, key, value)):
         return None
     length = filled(layer)
     if length < max(MIN_KEYS, PAGE) or (length < key.shape[-2] and mask is None):  # unwritten slots need a mask

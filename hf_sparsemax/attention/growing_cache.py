@@ -1,0 +1,147 @@
+"""A transformers ``Cache`` that appends a token without copying the layer's keys and values.
+
+transformers' ``DynamicCache`` appends with ``torch.cat``: every decoding step copies each layer's whole K and V
+(O(n) a token, O(n^2) a generation). :class:`GrowingLayer` keeps them in buffers ``[B, Hkv, capacity, D]`` and
+writes a step's keys after the filled ones; ``keys`` / ``values`` are views of the filled part
+``buffer[:, :, :n]`` (rows contiguous, heads and batch strided by the capacity). When a step does not fit, the
+buffers are reallocated with ``growth`` times the capacity (rounded up to :data:`ROUND` keys): a key is copied
+``1 / (growth - 1)`` times on average over a generation, against ``n / 2`` times by ``torch.cat``. The memory
+held is up to ``growth`` times the keys and values cached (:meth:`GrowingCache.nbytes`); ``growth=1.05`` keeps
+it within 5% at the price of a reallocation every 5% of the length.
+
+The library's page summaries and int8 key codes (:mod:`.pages`, :mod:`.keycodes`) follow the layer as they
+follow a ``DynamicLayer``: the attention module's pre-hook checks that the summary describes ``layer.keys`` (the
+same view, its buffer not written since) before the step appends, so the summary and codes are carried across
+appends and reallocations (the filled keys keep their values), and a crop, reorder or reset gives a new view
+(a new summary, or a reordered one).
+
+``crop`` and beam search's ``reorder_cache`` are in place: keys kept stay where they are, and the slots after a
+crop are written again by later steps (a view taken before the crop sees those writes; the cache's own views
+never do). Anything else that replaces ``keys`` / ``values`` (``batch_select_indices``,
+``batch_repeat_interleave``, an offload) leaves tensors that are not views of the buffers: the next ``update``
+takes them into new buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+ROUND = 64  # keys: capacities are multiples of it (a page of :mod:`.pages`)
+
+
+def check_growth(growth) -> float:
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 < growth <= 16:
+        raise ValueError(f"GrowingCache: growth must be a number in (1, 16], got {growth!r}")
+    return float(growth)
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in preallocated buffers grown ``growth`` times when full
+    (module docstring)."""
+
+    def __init__(self, growth: float = 2.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.growth = check_growth(growth)
+        self.key_buffer = self.value_buffer = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer = self.value_buffer = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.key_buffer is None else self.key_buffer.shape[2]
+
+    def views_buffers(self) -> bool:
+        """Whether ``keys`` / ``values`` are still the filled part of the buffers (not replaced by another tensor)."""
+        return all(buffer is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
+                   and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2]
+                   and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
+                   and view.device == buffer.device
+                   for view, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer)))
+
+    def filled(self) -> int:
+        return self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+
+    def reserve(self, length: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers of at least ``length`` keys holding the filled keys and values (the same buffers where they fit)."""
+        filled = self.filled()
+        pairs = ((self.keys, key_states), (self.values, value_states))
+        if filled and any(old.shape[:2] != new.shape[:2] or old.shape[3] != new.shape[3] for old, new in pairs):
+            raise ValueError(f"GrowingCache: keys {tuple(key_states.shape)} / values {tuple(value_states.shape)} "
+                             f"do not extend the cached {tuple(self.keys.shape)} / {tuple(self.values.shape)}")
+        held = self.views_buffers()
+        if held and length <= self.capacity and all(
+                buffer.shape[:2] == new.shape[:2] and buffer.shape[3] == new.shape[3] and buffer.dtype == new.dtype
+                for buffer, new in ((self.key_buffer, key_states), (self.value_buffer, value_states))):
+            return
+        size = max(length, math.ceil(self.capacity * self.growth) if held else 0)
+        size = -(-size // ROUND) * ROUND
+        buffers = []
+        for old, new in pairs:
+            batch, heads, _, dim = new.shape
+            buffer = new.new_empty(batch, heads, size, dim)
+            if filled:
+                buffer[:, :, :filled].copy_(old)
+            buffers.append(buffer)
+        self.key_buffer, self.value_buffer = buffers
+        self.keys, self.values = (buffer[:, :, :filled] for buffer in buffers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new keys and values after the filled ones; return the views of all of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        filled = self.filled()
+        length = filled + key_states.shape[-2]
+        self.reserve(length, key_states, value_states)
+        self.key_buffer[:, :, filled:length].copy_(key_states)
+        self.value_buffer[:, :, filled:length].copy_(value_states)
+        self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reorder of the batch rows, in the buffers (new views: a page summary follows it)."""
+        if self.get_seq_length() == 0:
+            return
+        if not self.views_buffers():
+            return super().reorder_cache(beam_idx)
+        length = self.keys.shape[-2]
+        for buffer, view in ((self.key_buffer, self.keys), (self.value_buffer, self.values)):
+            buffer[:, :, :length].copy_(view.index_select(0, beam_idx.to(buffer.device)))
+        self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_buffer = self.value_buffer = None
+
+    def nbytes(self) -> tuple[int, int]:
+        """``(bytes held, bytes of the keys and values cached)``: the buffers against their filled part."""
+        if not self.is_initialized or self.keys is None:
+            return 0, 0
+        cached = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        held = sum(b.numel() * b.element_size() for b in (self.key_buffer, self.value_buffer) if b is not None)
+        return (held if self.views_buffers() else cached), cached
+
+
+class GrowingCache(Cache):
+    """A ``Cache`` of :class:`GrowingLayer` (one a model layer, made as the model first writes it): pass it to
+    ``model.generate(past_key_values=GrowingCache())`` or a forward's ``past_key_values``. ``growth``: the factor
+    a full layer's capacity grows by (default 2; 1.05 holds at most 5% more memory than the keys and values)."""
+
+    def __init__(self, growth: float = 2.0) -> None:
+        growth = check_growth(growth)
+        super().__init__(layer_class_to_replicate=GrowingLayer)
+        self.growth = growth
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(GrowingLayer(self.growth))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def nbytes(self) -> tuple[int, int]:
+        """``(bytes held by the buffers, bytes of the keys and values they hold)`` over the layers."""
+        counts = [layer.nbytes() for layer in self.layers]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
