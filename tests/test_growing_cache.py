@@ -1,0 +1,192 @@
+"""hs.GrowingCache (:mod:`hf_sparsemax.attention.growing_cache`): appends in place into buffers grown
+geometrically, and is the same cache as transformers' DynamicCache to the model.
+
+Checked: greedy ``generate`` (sdpa and entmax15 with the int8 certificate from 64 keys) gives DynamicCache's
+tokens and scores bit for bit, with one page summary a layer carried across every append and reallocation and
+the codes written step by step; beam search; assisted decoding (crops); a step-by-step layer through
+reallocations, a crop and a beam reorder equal to the full step with codes equal to fresh ones; the memory held
+against the keys cached; replaced tensors taken back into buffers; bad input.
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_sparsemax as hs
+from hf_sparsemax.attention import fused, growing_cache, keycodes, pages
+from hf_sparsemax.attention.growing_cache import GrowingCache, GrowingLayer
+from hf_sparsemax.attention.interface import sparse_attention_forward
+from test_attention_blocks import module_for
+from test_attention_keycodes import D, H, H_KV, SCALING, full_step, fused_problem, inputs, key_codes
+
+needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
+
+
+@pytest.fixture(autouse=True)
+def certify_from_64_keys(monkeypatch):
+    """The certificate from one page of keys, and every step certified (no back-off), counts from zero."""
+    monkeypatch.setattr(pages, "MIN_KEYS", 64)
+    monkeypatch.setattr(keycodes, "MIN_CERTIFIED", 0.0)
+    monkeypatch.delenv(pages.ENVIRONMENT, raising=False)
+    keycodes.reset_counts()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def tiny_llama(attn: str, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    if attn != "sdpa":
+        hs.patch_model(model, attn=attn)
+    return model
+
+
+def prompt(batch: int = 2, length: int = 90) -> dict:
+    ids = torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[-1, :5] = 0  # left padding on the last row
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def generate(model, cache, **kwargs):
+    with torch.no_grad():
+        return model.generate(**prompt(), max_new_tokens=12, do_sample=False, cache=cache, output_scores=True,
+                              return_dict_in_generate=True, **kwargs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
+def test_greedy_generate_equals_dynamic_cache(attn, monkeypatch):
+    monkeypatch.setattr(growing_cache, "ROUND", 8)  # several reallocations over the generation
+    model = tiny_llama(attn)
+    made = []
+    monkeypatch.setattr(pages.PageSummary, "__init__", lambda self, key, init=pages.PageSummary.__init__: (
+        made.append(self), init(self, key))[1])
+    want = generate(model, DynamicCache())
+    made.clear()
+    keycodes.reset_counts()
+    cache = GrowingCache(growth=1.1)
+    got = generate(model, cache)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+    assert all(isinstance(layer, GrowingLayer) and layer.views_buffers() for layer in cache.layers)
+    if attn == "entmax15":  # one summary a layer, carried through every step; its codes follow the keys
+        assert len(made) == len(cache.layers)
+        for layer in cache.layers:
+            summary = getattr(layer, pages.SUMMARY_ATTR)
+            assert summary.codes.coded == layer.keys.shape[-2]
+        assert keycodes.COUNTS["calls"] == 11 * len(cache.layers)
+
+
+@needs_kernel
+@pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
+def test_beam_search_equals_dynamic_cache(attn):
+    model = tiny_llama(attn)
+    want = generate(model, DynamicCache(), num_beams=2)
+    got = generate(model, GrowingCache(), num_beams=2)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@needs_kernel
+@pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
+def test_assisted_decoding_crops_and_equals_greedy(attn, monkeypatch):
+    model, assistant = tiny_llama(attn), tiny_llama("sdpa", seed=3)
+    crops = []
+    monkeypatch.setattr(GrowingLayer, "crop", lambda self, n, crop=GrowingLayer.crop: (crops.append(n), crop(self, n)))
+    ids = prompt(batch=1)
+    with torch.no_grad():
+        want = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=DynamicCache())
+        got = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=GrowingCache(),
+                             assistant_model=assistant)
+    assert torch.equal(got, want) and any(n < 0 for n in crops)
+
+
+@needs_kernel
+def test_step_by_step_through_reallocations_a_crop_and_a_beam_reorder(monkeypatch):
+    """A layer fed one key a step, reallocated every few steps: each step equals the full step, its codes equal
+    codes written afresh, and the summary is built once (rebuilt after the crop), never per reallocation."""
+    monkeypatch.setattr(growing_cache, "ROUND", 8)
+    module, attn = module_for("learned", torch.float32)
+    module.eval()
+    q_all, k, v = inputs(2, 1, 120, seed=5)
+    cache = GrowingCache(growth=1.1)
+    cache.update(k[:, :, :70], v[:, :, :70], 0)
+    g = torch.Generator().manual_seed(6)
+    position, cropped, summaries, buffers = 70, False, [], set()
+    while position < 120:
+        q = torch.randn(2, H, 1, D, generator=g) * 2
+        module.layer_idx = 0
+        pages.remember_cache(module, (), {"cache": cache})
+        keys, values = cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
+        buffers.add(cache.layers[0].key_buffer.data_ptr())
+        with torch.no_grad():
+            out = sparse_attention_forward(module, q, keys, values, None, scaling=SCALING, mapping=attn)[0]
+        assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
+        summary = getattr(cache.layers[0], pages.SUMMARY_ATTR)
+        if not any(seen is summary for seen in summaries):
+            summaries.append(summary)
+        fresh = keycodes.KeyCodes(keys)
+        fresh.reserve(keys.shape[-2], keys.shape[-2])
+        fused.decode(fused_problem(q, keys.contiguous(), values.contiguous()), 2.0, codes=fresh,
+                     length=keys.shape[-2])
+        n = keys.shape[-2]
+        assert summary.codes.coded == n and torch.equal(summary.codes.scales[:, :, :n], fresh.scales[:, :, :n])
+        assert torch.equal(key_codes(summary.codes, n), key_codes(fresh, n))
+        position += 1
+        if position == 95 and not cropped:
+            cache.crop(-7)
+            k[:, :, 88:95] = torch.randn(2, H_KV, 7, D, generator=g)
+            position, cropped = 88, True
+        if position == 105:
+            cache.reorder_cache(torch.tensor([1, 0]))
+            k, v = k.flip(0), v.flip(0)
+    assert len(summaries) == 2 and len(buffers) >= 4  # reallocated several times, the summary carried
+    assert torch.equal(cache.layers[0].keys, k[:, :, :120]) and torch.equal(cache.layers[0].values, v[:, :, :120])
+
+
+def test_memory_held_against_the_keys_cached():
+    k, v = torch.randn(1, 2, 1000, 8), torch.randn(1, 2, 1000, 8)
+    for growth, bound in ((2.0, 2.0), (1.05, 1.05)):
+        cache = GrowingCache(growth=growth)
+        cache.update(k[:, :, :500], v[:, :, :500], 0)
+        worst = 0.0
+        for position in range(500, 1000):
+            cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
+            held, cached = cache.nbytes()
+            worst = max(worst, held / cached)
+        assert torch.equal(cache.layers[0].keys, k) and torch.equal(cache.layers[0].values, v)
+        assert 1 < worst <= bound + growing_cache.ROUND / 500
+
+
+def test_replaced_tensors_are_taken_back_into_buffers():
+    """batch_select_indices / batch_repeat_interleave (DynamicLayer's, new tensors): the next update copies them
+    into new buffers; the cache then equals a DynamicCache given the same calls."""
+    k, v = torch.randn(3, 2, 10, 8), torch.randn(3, 2, 10, 8)
+    caches = [GrowingCache(), DynamicCache()]
+    for cache in caches:
+        cache.update(k[:, :, :6], v[:, :, :6], 0)
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        cache.update(k[[2, 0], :, 6:8], v[[2, 0], :, 6:8], 0)
+        cache.batch_repeat_interleave(2)
+        cache.update(k[[2, 2, 0, 0], :, 8:], v[[2, 2, 0, 0], :, 8:], 0)
+    assert caches[0].layers[0].views_buffers()
+    assert torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
+    assert torch.equal(caches[0].layers[0].values, caches[1].layers[0].values)
+    caches[0].reset()
+    assert caches[0].get_seq_length() == 0 and caches[0].layers[0].key_buffer is None
+
+
+@pytest.mark.parametrize("growth", [1, 1.0, 0.5, 17, True, "2", None])
+def test_a_bad_growth_is_refused(growth):
+    with pytest.raises(ValueError, match="growth"):
+        GrowingCache(growth=growth)
+
+
+def test_keys_that_do_not_extend_the_cache_are_refused():
+    cache = GrowingCache()
+    cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), 0)
+    with pytest.raises(ValueError, match="do not extend"):
+        cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)  # copy_ would broadcast it
