@@ -246,9 +246,57 @@ def test_refusals():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         triton_decode(q.double(), k, v, None, alpha=2.0, scaling=1.0)
     with pytest.raises(ValueError, match="broadcast"):
-        triton_decode(q, k, v, torch.ones(B, 1, 1, N + 1, dtype=torch.bool, device=DEVICE), alpha=2.0, scaling=1.0)
+        triton_decode(q, k, v, torch.ones(B, 1, 1, N - 1, dtype=torch.bool, device=DEVICE), alpha=2.0, scaling=1.0)
     with pytest.raises(ValueError, match="kv heads"):
         triton_decode(q[:, :3], k, v, None, alpha=2.0, scaling=1.0)
+
+
+def test_the_routing_and_the_kernel_check_one_predicate():
+    """Issue 54: ``kernel="auto"`` raised on a decoding call whose mask is float64 or longer than the keys (a static
+    cache's slots): the routing's reasons accepted both, the kernel's own check refused them. Now both read one
+    predicate (:func:`triton_decode.reasons`): what the routing sends is served (the exact weights), what the
+    kernel refuses the routing leaves to the torch path ("auto": None) and ``triton_decode`` raises with the same
+    reasons."""
+    from hf_sparsemax.attention import routing
+    from hf_sparsemax.attention.triton_attention import not_supported_reasons
+
+    q, k, v = (t.to(DEVICE) for t in inputs(1, identity=False))
+    additive = mixed_mask(1)
+    wide = additive.double().masked_fill(additive == MIN, torch.finfo(torch.float64).min)
+    longer = torch.cat([additive, torch.full((B, 1, 1, 8), MIN)], -1)  # unwritten slots past the keys
+    served = {"float64 mask": (wide, wide), "longer additive mask": (longer, additive),
+              "longer float64 mask": (torch.cat([wide, wide[..., :5]], -1), wide),
+              "longer boolean mask": (torch.cat([additive == 0, torch.ones(B, 1, 1, 3, dtype=torch.bool)], -1),
+                                      additive == 0)}
+    for name, (mask, seen) in served.items():
+        mask = mask.to(DEVICE)
+        assert not_supported_reasons(q, k, v, mask, alpha=2.0, mapping="sparsemax", decoding=True) == [], name
+        with torch.no_grad():
+            out = routing.triton_route(None, q, k, v, mask, kernel="auto", mapping="sparsemax", scaling=SCALING,
+                                       dropout=0.0, softcap=None, position_bias=None, sinks=None, causal=False,
+                                       weights=False, options=None, learned=None)
+        check(out.cpu(), q.cpu(), k.cpu(), v.cpu(), seen, 2.0, msg=name)
+    refused = {"shorter mask": dict(mask=additive[..., :-1]), "integer mask": dict(mask=additive.long()),
+               "mask on the batch of 2": dict(mask=additive[:2]), "alpha 2.5": dict(alpha=2.5),
+               "alphas out of range": dict(alpha=torch.tensor([1.5, 2.5, 1.5, 1.5])),
+               "alpha a head short": dict(alpha=torch.full((H - 1,), 1.5)), "17 rows": dict(q=q.expand(B, H, 17, D)),
+               "float64 query": dict(q=q.double()), "head sizes": dict(k=k[..., :8], v=v[..., :8])}
+    for name, change in refused.items():
+        call = dict(q=q, k=k, v=v, mask=None, alpha=2.0) | change
+        call = {key: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for key, t in call.items()}
+        reasons = not_supported_reasons(call["q"], call["k"], call["v"], call["mask"], alpha=call["alpha"],
+                                        decoding=True)
+        assert reasons, name
+        with torch.no_grad():
+            with pytest.raises(ValueError) as error:
+                triton_decode(call["q"], call["k"], call["v"], call["mask"], alpha=call["alpha"], scaling=SCALING)
+            assert all(reason in str(error.value) for reason in reasons), (name, reasons, error.value)
+            if name not in ("17 rows", "alpha 2.5"):  # routed to the prefill kernel; the mapping's alpha
+                learned = (lambda a=call["alpha"]: a) if isinstance(call["alpha"], torch.Tensor) else None
+                assert routing.triton_route(
+                    None, call["q"], call["k"], call["v"], call["mask"], kernel="auto", mapping="entmax_bisect",
+                    scaling=SCALING, dropout=0.0, softcap=None, position_bias=None, sinks=None, causal=False,
+                    weights=False, options=None, learned=learned) is None, name
 
 
 def test_the_kernels_compile_for_an_h100():

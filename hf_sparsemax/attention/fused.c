@@ -364,8 +364,9 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
    kv head is never read, and left out of the rows handed to the solver (attend_keys over the kept keys, their
    indices ascending). Every other key is scored exactly by score_keys (the row's maximum among them: its
    t + E >= s_max >= M). So the certified step hands the solver the same candidates with the same scores, in the
-   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
-   certifies nothing (the comparisons are written so), and the full step's NaN output follows.
+   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or
+   query gives a NaN bound, which certifies nothing (the comparisons are written so), and the full step's NaN
+   output follows.
 
    Overflow. The bound above is float32's error analysis, which assumes no sum overflows; a huge key can overflow
    the full step's float32 sum while its true score is small (q.k = 0 from +-3e38 entries: the full step's score
@@ -607,7 +608,8 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         spec[4 * i] = (float)((double)p->scaling * scale);
         spec[4 * i + 1] = (float)(fabs((double)p->scaling) *
                                   (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa)));
-        spec[4 * i + 3] = (float)(2.0 * fmax(1.0, fabs((double)p->scaling)) * norm * (rho + kappa)); /* R - |m|: / s_k */
+        /* R's factor (overflow, above): R = s_k spec[4 i + 3] + |m| */
+        spec[4 * i + 3] = (float)(2.0 * fmax(1.0, fabs((double)p->scaling)) * norm * (rho + kappa));
         for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */

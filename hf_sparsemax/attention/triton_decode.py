@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from ..mappings.entmax import MAX_ITER, TOLERANCE
 from .decode import MAX_QUERIES
+from .triton_attention import interpreting
 
 BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smallest tile; fewer rows are padded)
 BLOCK_KEYS = 64  # keys a block
@@ -80,45 +80,70 @@ def _kernels():
     return importlib.import_module(f"{__package__}.triton_decode_kernels")  # imports triton
 
 
-def _check(query, key, value, mask, alpha):
+MASK_DTYPES = (torch.bool, torch.float64) + DTYPES  # float64: taken as float32 (its finfo.min becomes -inf)
+
+
+def reasons(query, key, value, mask, alpha) -> list[str]:
+    """Why the decoding kernel cannot serve these operands: an empty list when it can. The kernel's one check:
+    :func:`triton_decode` raises on it, and the routing (:func:`.triton_attention.not_supported_reasons` with
+    ``decoding``) falls back on it, so ``kernel="auto"`` never routes a call here that the kernel refuses. A mask
+    longer than the keys is served (its first ``n`` keys: a static cache's slots), a float64 mask as float32."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"triton_decode takes query [B, H, q, D] and key / value [B, H_kv, n, D]; got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        return [f"triton_decode takes query [B, H, q, D] and key / value [B, H_kv, n, D]; got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"]
+    found = []
     batch, heads, rows, dim = query.shape
     if rows > MAX_QUERIES:
-        raise ValueError(f"triton_decode serves at most {MAX_QUERIES} query rows (a decoding step); got {rows}")
-    if key.shape[:3] != value.shape[:3] or key.shape[0] != batch or key.shape[-1] != dim:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match query "
-                         f"{tuple(query.shape)} (key [B, H_kv, n, D], value [B, H_kv, n, Dv])")
+        found.append(f"triton_decode serves at most {MAX_QUERIES} query rows (a decoding step); got {rows}")
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != batch:
+        found.append(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match query "
+                     f"{tuple(query.shape)} (key [B, H_kv, n, D], value [B, H_kv, n, Dv])")
+    if key.shape[-1] != dim:
+        found.append(f"query and key head sizes {dim}/{key.shape[-1]} differ (q k^T needs one)")
     if key.shape[1] == 0 or heads % key.shape[1]:
-        raise ValueError(f"{heads} query heads cannot share {key.shape[1]} kv heads (grouped heads: H = G H_kv)")
+        found.append(f"{heads} query heads cannot share {key.shape[1]} kv heads (grouped heads: H = G H_kv)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dtype not in DTYPES:
-            raise ValueError(f"triton_decode takes float32, bfloat16 or float16 tensors; {name} is {t.dtype}")
+            found.append(f"triton_decode takes float32, bfloat16 or float16 tensors; {name} is {t.dtype}")
         if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
-    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"triton_decode runs on a CUDA device (tensors on {query.device}); on the CPU only under "
-                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+            found.append(f"{name} is on {t.device}, query on {query.device}")
+    if query.device.type != "cuda" and not interpreting():
+        found.append(f"triton_decode runs on a CUDA device (tensors on {query.device}); on the CPU only under "
+                     "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in (query, key, value, mask, alpha)):
-        raise ValueError("triton_decode has no backward (a decoding step): call it under torch.no_grad() or with "
-                         "tensors that do not require grad")
+        found.append("triton_decode has no backward (a decoding step): call it under torch.no_grad() or with "
+                     "tensors that do not require grad")
     if mask is not None:
-        if mask.dtype != torch.bool and mask.dtype not in DTYPES:
-            raise ValueError(f"the mask must be boolean (True: seen) or additive float; got {mask.dtype}")
+        if mask.dtype not in MASK_DTYPES:
+            found.append(f"the mask must be boolean (True: seen) or additive float; got {mask.dtype}")
         full = (batch, heads, rows, key.shape[2])
-        if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], full[::-1])):
-            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = {list(full)}")
+        given = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+        if (mask.dim() > 4 or any(m not in (1, n) for m, n in zip(given[:3], full[:3]))
+                or not (given[3] == 1 or given[3] >= full[3])):
+            found.append(f"mask {tuple(mask.shape)} does not broadcast to [B, H, q, n] = {list(full)} (n: the keys "
+                         "or more)")
         if mask.device != query.device:
-            raise ValueError(f"mask is on {mask.device}, query on {query.device}")
+            found.append(f"mask is on {mask.device}, query on {query.device}")
     if isinstance(alpha, torch.Tensor):
         if alpha.numel() != heads:
-            raise ValueError(f"a per-head alpha has one value a query head ({heads}); got shape {tuple(alpha.shape)}")
-        if alpha.device != query.device:
-            raise ValueError(f"alpha is on {alpha.device}, query on {query.device}")
-    elif not (isinstance(alpha, (int, float)) and 1.0 < float(alpha) <= 2.0):
-        raise ValueError(f"alpha must be a float in (1, 2] or a per-head tensor; got {alpha!r}")
+            found.append(f"a per-head alpha has one value a query head ({heads}); got shape {tuple(alpha.shape)}")
+        elif alpha.device != query.device:
+            found.append(f"alpha is on {alpha.device}, query on {query.device}")
+        elif not alpha.is_floating_point() or not bool(((alpha > 1) & (alpha <= 2)).all()):  # one host read
+            found.append(f"alphas must be floats in (1, 2]; got {alpha.dtype} {alpha.detach().flatten().tolist()}")
+    elif isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 1.0 < float(alpha) <= 2.0):
+        found.append(f"alpha must be a float in (1, 2] or a per-head tensor; got {alpha!r}")
+    return found
+
+
+def _mask_operand(mask, keys: int):
+    """The mask as the kernel reads it: its first ``keys`` keys, a float64 mask as float32 (its lowest value, and
+    anything below float32's, become -inf: still not seen)."""
+    if mask is None:
+        return None
+    mask = mask[..., :keys] if mask.dim() and mask.shape[-1] > keys else mask
+    return mask.float() if mask.dtype == torch.float64 else mask
 
 
 def splits_for(programs: int, keys: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
@@ -135,11 +160,14 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
 
     ``query [B, H, q, D]`` (``q <= MAX_QUERIES``); ``key [B, H_kv, n, D]``, ``value [B, H_kv, n, Dv]`` (views of a
     cache, read through their strides); ``mask`` None (every key seen), boolean (True: seen) or additive (an entry
-    at or below its dtype's lowest value: not seen), broadcastable to ``[B, H, q, n]``; ``alpha`` a float in
+    at or below its dtype's lowest value: not seen), broadcastable to ``[B, H, q, n]`` (a longer last dimension:
+    its first ``n``); ``alpha`` a float in
     (1, 2] or a tensor of one value a query head; ``scaling`` multiplies ``q.k``; ``splits``: programs the keys
     are split over a (kv head, row block), for tests (default: enough to fill the GPU).
     """
-    _check(query, key, value, mask, alpha)
+    found = reasons(query, key, value, mask, alpha)
+    if found:
+        raise ValueError("triton_decode cannot serve this call: " + "; ".join(found))
     kernels = _kernels()
     batch, heads, q_rows, dim = query.shape
     kv_heads, keys, value_dim = key.shape[1], key.shape[2], value.shape[3]
@@ -161,6 +189,7 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
         total_rows * keys, total_rows * splits, total_rows, total_rows * splits * value_dim])
     candidates, tau = _workspace(device, torch.float64, [total_rows * keys, total_rows])
     bad, state = _workspace(device, torch.int32, [total_rows * splits, total_rows])
+    mask = _mask_operand(mask, keys)
     if mask is None:
         mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
     else:  # broadcast dimensions read with stride 0
