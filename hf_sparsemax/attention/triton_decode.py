@@ -14,10 +14,10 @@ text) and solves ``tau`` on them in float64 (:mod:`.triton_decode_kernels`: Newt
 ``tau = -1``, Michelot's algorithm for sparsemax, to ``TOLERANCE`` within ``MAX_ITER`` steps, the eager solver's
 constants); each split then adds ``P V`` over its key blocks with a nonzero weight (the others' value rows are
 never read), and the last split of each row block to finish sums the splits' partial outputs (a count per row
-block, kept at zero between calls: calls on one stream at a time). Three launches, temporaries from three
-allocations. Scores, threshold and accumulation are float32 (the threshold float64), whatever the inputs' dtype
-(float32, bfloat16, float16: half queries and keys are exact in tf32, so their products use tensor cores); the
-output has the query's dtype.
+block, zeroed by each call: calls on several streams share nothing). Three launches, temporaries from three
+allocations (one of them zeroed); offsets in 64 bits (:mod:`.triton_decode_kernels`). Scores, threshold and
+accumulation are float32 (the threshold float64), whatever the inputs' dtype (float32, bfloat16, float16: half
+queries and keys are exact in tf32, so their products use tensor cores); the output has the query's dtype.
 
 ``alpha`` is a float in (1, 2] (2: sparsemax, 1.5: 1.5-entmax) or a per-head tensor read at run time (a learned
 alpha recompiles nothing). A row that sees no key gets zeros, a row with a NaN or ``+inf`` score NaN, as the
@@ -55,23 +55,14 @@ def _constant(alpha: float, device: torch.device) -> torch.Tensor:
     return torch.tensor([alpha], dtype=torch.float64, device=device)
 
 
-_COUNTERS: dict = {}  # device -> int32 counters, one a program, zero between calls (the last program resets its own)
-
-
-def _counters(device: torch.device, programs: int) -> torch.Tensor:
-    """Each (kv head, row block)'s count of finished splits: zeros kept between calls (one stream at a time)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < programs:
-        counters = _COUNTERS[device] = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
-    return counters
-
-
-def _workspace(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+def _workspace(device: torch.device, dtype: torch.dtype, sizes: list[int],
+               zeros: bool = False) -> tuple[torch.Tensor, ...]:
     """Flat temporaries of ``sizes`` elements each, carved from one allocation (each 128-byte aligned: the kernels
-    see only their addresses)."""
+    see only their addresses); ``zeros``: zeroed (one fill)."""
     step = 128 // dtype.itemsize
     padded = [-(-size // step) * step for size in sizes]
-    return torch.split_with_sizes(torch.empty(sum(padded), dtype=dtype, device=device), padded)
+    make = torch.zeros if zeros else torch.empty
+    return torch.split_with_sizes(make(sum(padded), dtype=dtype, device=device), padded)
 
 
 def _kernels():
@@ -188,7 +179,8 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
     scores, top, top_row, partial = _workspace(device, torch.float32, [
         total_rows * keys, total_rows * splits, total_rows, total_rows * splits * value_dim])
     candidates, tau = _workspace(device, torch.float64, [total_rows * keys, total_rows])
-    bad, state = _workspace(device, torch.int32, [total_rows * splits, total_rows])
+    # the splits' counts a row block (zeros: this call's own, so calls on several streams never share them)
+    bad, state, counts = _workspace(device, torch.int32, [total_rows * splits, total_rows, programs], zeros=True)
     mask = _mask_operand(mask, keys)
     if mask is None:
         mask_kind, mask_arg, mask_strides, masked = 0, scores, (0, 0, 0, 0), 0.0
@@ -213,7 +205,7 @@ def triton_decode(query, key, value, mask=None, *, alpha, scaling: float, splits
         scores, top, bad, candidates, alphas, alpha_stride, tau, top_row, state, heads, q_rows, keys, splits,
         TOLERANCE, MAX_ITER, BLOCK_S=MAX_SPLITS, BLOCK_C=SOLVE_BLOCK)
     kernels.values_kernel[(programs, splits)](
-        scores, value, alphas, alpha_stride, tau, top_row, state, partial, _counters(device, programs), out,
+        scores, value, alphas, alpha_stride, tau, top_row, state, partial, counts, out,
         *value.stride(), kv_heads, groups, q_rows, rows, keys, value_dim, row_blocks, splits, split_len,
         BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_DV=_next_power(value_dim), HALF=value.dtype != torch.float32,
         BFLOAT16=query.dtype == torch.bfloat16)
