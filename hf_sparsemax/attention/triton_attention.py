@@ -52,13 +52,14 @@ the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before the first
 from __future__ import annotations
 
 import importlib.util
-import os
 import types
 
 import torch
 
 from ..mappings._core import DENSE_MAX_ITER, DENSE_TOLERANCE_ULPS
 from ..mappings.entmax import precise_in_float32
+from .triton_decode import interpreting
+from .triton_decode import reasons as decode_reasons
 
 BLOCK_M, BLOCK_N = 64, 64  # query rows and keys a tile on a GPU (tl.dot tiles of BLOCK_M x BLOCK_N x D)
 NUM_WARPS, NUM_STAGES = 4, 3  # launch options of every kernel on a GPU (Triton's defaults)
@@ -74,14 +75,6 @@ HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that 
 # query / key head size and, apart from it, the value head size (DeepSeek's MLA heads differ: 192 / 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64)
-INTERPRET_VALUES = ("1", "true", "on", "yes")  # TRITON_INTERPRET values triton reads as on
-
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in INTERPRET_VALUES
-
-
 def triton_available() -> bool:
     """Whether ``triton`` is installed (imported only on first use)."""
     return importlib.util.find_spec("triton") is not None
@@ -118,8 +111,6 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
     if sinks is not None:
         reasons.append("attention sinks")
     if decoding:
-        from .triton_decode import reasons as decode_reasons
-
         return reasons + decode_reasons(query, key, value, mask, alpha)
     tensors = (query, key, value)
     if any(t.dim() != 4 for t in tensors):

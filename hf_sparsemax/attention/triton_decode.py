@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
 from ..mappings.entmax import MAX_ITER, TOLERANCE
 from .decode import MAX_QUERIES
-from .triton_attention import interpreting
 
 BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smallest tile; fewer rows are padded)
 BLOCK_KEYS = 64  # keys a block
@@ -44,6 +44,12 @@ SOLVE_BLOCK = 1024  # candidates a solver step loads at once
 TARGET_PROGRAMS = 264  # programs of the scoring launch the keys are split to reach (two per H100 multiprocessor)
 MAX_SPLITS = 128  # ... in at most this many splits (one tile size for every length: no compile as the cache grows)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INTERPRET_VALUES = ("1", "true", "on", "yes")  # TRITON_INTERPRET values triton reads as on
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in INTERPRET_VALUES
 
 
 def _next_power(n: int, least: int = 16) -> int:
