@@ -264,3 +264,47 @@ def test_a_stray_header_beside_the_source_does_not_win(tmp_path, monkeypatch):
                                      kernel.header())
     assert ctypes.CDLL(path).hf_sparsemax_params_size() == ctypes.sizeof(kernel.Params)
     assert sorted(p.name for p in out.iterdir()) == ["fused-test.so"]  # no partial build left behind
+
+
+def test_the_certificates_codes_are_checked_before_the_kernel_reads_or_writes_them():
+    """Issue 54: ``decode``'s key codes (:class:`.keycodes.KeyCodes`) were checked for shape and device only: codes
+    of another dtype or layout were read as int8 blocks, and certified counts of int32 written as int64 (past the
+    tensor). Now every tensor of a certificate (``decode``'s, ``code_slots``' and ``paged_decode``'s) must have its
+    dtype, be contiguous and lie on the query's (the keys') device: else a ValueError naming it."""
+    import copy
+
+    from hf_sparsemax.attention import keycodes
+
+    problem = grouped_problem()
+    codes = keycodes.KeyCodes(problem.key)
+    codes.reserve(40, 40)
+    slots = codes.codes.shape[2]
+    good = kernel.decode(problem, 1.5, codes=copy.copy(codes), length=40, certify=True)
+    assert good is not None
+    wrong = {"key codes are torch.int16": dict(codes=codes.codes.to(torch.int16)),
+             "key codes must be contiguous": dict(codes=torch.zeros(2, 2, 8, slots, dtype=torch.int8).transpose(2, 3)),
+             "key codes is on meta": dict(codes=codes.codes.to("meta")),
+             "key scales are torch.float64": dict(scales=codes.scales.double()),
+             "key scales must be contiguous": dict(scales=torch.zeros(2, slots, 2).transpose(1, 2)),
+             "key code bounds are torch.float32": dict(bounds=codes.bounds.float()),
+             "certified counts are torch.int32": dict(certified=codes.certified.int()),
+             "cannot code 40 keys": dict(codes=torch.zeros(2, 2, 40, 8, dtype=torch.int8),
+                                         scales=torch.zeros(2, 2, 40))}
+    for message, fields in wrong.items():
+        bad = copy.copy(codes)
+        bad.__dict__.update(fields)
+        with pytest.raises(ValueError, match=message):
+            kernel.decode(problem, 1.5, codes=bad, length=40, certify=True)
+    key_rows, value_rows, slot_table = paged(problem)
+    slot_codes = keycodes.SlotCodes(key_rows)
+    assert slot_codes.written
+    for message, fields in {"slot codes are torch.uint8": dict(codes=slot_codes.codes.view(torch.uint8)),
+                            "slot scales must be contiguous": dict(scales=torch.zeros(80, 2).t()),
+                            "slot residuals is on meta": dict(residuals=slot_codes.residuals.to("meta")),
+                            "cannot code a cache of 80 slots": dict(codes=slot_codes.codes[:, :64])}.items():
+        bad = copy.copy(slot_codes)
+        bad.__dict__.update(fields)
+        with pytest.raises(ValueError, match=message):
+            kernel.code_slots(key_rows, torch.arange(4), bad)
+        with pytest.raises(ValueError, match=message):
+            kernel.paged_decode(problem.query, key_rows, value_rows, slot_table, None, 1.5, 0.5, codes=bad)

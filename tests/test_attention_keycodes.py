@@ -243,6 +243,41 @@ def test_half_caches_nan_keys_and_the_back_off(monkeypatch):
     assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
 
 
+def test_a_key_whose_float32_score_overflows_is_read_as_the_full_step_reads_it():
+    """Issue 54: a key of entries +-3e38 scores q.k = 0 in int8 (a finite bound far below a large key's), but the
+    full step's float32 sum overflows (inf or NaN: a NaN row); the certificate dropped it and answered a finite
+    row. Now a key whose float32 sum could overflow is read and scored exactly: the certified step (dense cache
+    and paged cache) equals the full step bit for bit, NaN where NaN, and a masked huge key changes nothing."""
+    from hf_sparsemax.attention.blocks import grouped
+
+    q, k, v = inputs(1, 1, 64, seed=19)
+    q = q.abs() + 0.5  # all positive: +-big entries cancel in q.k's true value, not in a float32 sum
+    k = k * 0.01
+    k[0, :, 9] = 3e38 / q[0, ::2, 0].sum(-1, keepdim=True)  # the row's top score (1.5e38), far above the others
+    slots = torch.arange(64).view(1, 64)
+    rows = lambda t: t[0].transpose(0, 1).contiguous()  # noqa: E731  [64 slots, H_KV, D]
+    for big in (1e36, 1e38, 3e38):
+        k[0, :, 5, ::2], k[0, :, 5, 1::2] = big, -big
+        for alpha, dtype in ((2.0, torch.float32), (1.5, torch.float32), (1.3, torch.bfloat16)):
+            key, value = k.to(dtype), v.to(dtype)
+            for mask in (None, torch.zeros(1, 1, 1, 64).index_fill(-1, torch.tensor([5]), MIN)):
+                problem = grouped(q, key, value, mask, False, alpha, SCALING, None)
+                full = fused.decode(problem, alpha)
+                codes = keycodes.KeyCodes(key)
+                codes.reserve(64, 64)
+                certified = fused.decode(problem, alpha, codes=codes, length=64, certify=True)
+                assert int(codes.certified.max()) >= 0  # the certificate ran (it did not fall back)
+                torch.testing.assert_close(certified, full, rtol=0, atol=0, equal_nan=True)
+                query = problem.query
+                paged_mask = None if mask is None else mask.view(1, 1, 1, 1, 64)
+                slot_codes = keycodes.SlotCodes(rows(key))
+                paged = fused.paged_decode(query, rows(key), rows(value), slots, paged_mask, alpha, SCALING,
+                                           codes=slot_codes)
+                torch.testing.assert_close(paged, full, rtol=0, atol=0, equal_nan=True)
+                overflows = big > 1e37 and mask is None
+                assert full.isnan().any() == overflows, (big, alpha, mask is None)
+
+
 def test_memory_of_the_codes():
     """``D + 4`` bytes a key (int8 codes and a float32 scale) against ``4 D`` for a float32 key."""
     key = torch.zeros(1, 3, 1000, 64)

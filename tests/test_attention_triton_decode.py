@@ -246,9 +246,176 @@ def test_refusals():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         triton_decode(q.double(), k, v, None, alpha=2.0, scaling=1.0)
     with pytest.raises(ValueError, match="broadcast"):
-        triton_decode(q, k, v, torch.ones(B, 1, 1, N + 1, dtype=torch.bool, device=DEVICE), alpha=2.0, scaling=1.0)
+        triton_decode(q, k, v, torch.ones(B, 1, 1, N - 1, dtype=torch.bool, device=DEVICE), alpha=2.0, scaling=1.0)
     with pytest.raises(ValueError, match="kv heads"):
         triton_decode(q[:, :3], k, v, None, alpha=2.0, scaling=1.0)
+
+
+def test_the_routing_and_the_kernel_check_one_predicate():
+    """Issue 54: ``kernel="auto"`` raised on a decoding call whose mask is float64 or longer than the keys (a static
+    cache's slots): the routing's reasons accepted both, the kernel's own check refused them. Now both read one
+    predicate (:func:`triton_decode.reasons`): what the routing sends is served (the exact weights), what the
+    kernel refuses the routing leaves to the torch path ("auto": None) and ``triton_decode`` raises with the same
+    reasons."""
+    from hf_sparsemax.attention import routing
+    from hf_sparsemax.attention.triton_attention import not_supported_reasons
+
+    q, k, v = (t.to(DEVICE) for t in inputs(1, identity=False))
+    additive = mixed_mask(1)
+    wide = additive.double().masked_fill(additive == MIN, torch.finfo(torch.float64).min)
+    longer = torch.cat([additive, torch.full((B, 1, 1, 8), MIN)], -1)  # unwritten slots past the keys
+    served = {"float64 mask": (wide, wide), "longer additive mask": (longer, additive),
+              "longer float64 mask": (torch.cat([wide, wide[..., :5]], -1), wide),
+              "longer boolean mask": (torch.cat([additive == 0, torch.ones(B, 1, 1, 3, dtype=torch.bool)], -1),
+                                      additive == 0)}
+    for name, (mask, seen) in served.items():
+        mask = mask.to(DEVICE)
+        assert not_supported_reasons(q, k, v, mask, alpha=2.0, mapping="sparsemax", decoding=True) == [], name
+        with torch.no_grad():
+            out = routing.triton_route(None, q, k, v, mask, kernel="auto", mapping="sparsemax", scaling=SCALING,
+                                       dropout=0.0, softcap=None, position_bias=None, sinks=None, causal=False,
+                                       weights=False, options=None, learned=None)
+        check(out.cpu(), q.cpu(), k.cpu(), v.cpu(), seen, 2.0, msg=name)
+    refused = {"shorter mask": dict(mask=additive[..., :-1]), "integer mask": dict(mask=additive.long()),
+               "mask on the batch of 2": dict(mask=additive[:2]), "alpha 2.5": dict(alpha=2.5),
+               "alphas out of range": dict(alpha=torch.tensor([1.5, 2.5, 1.5, 1.5])),
+               "alpha a head short": dict(alpha=torch.full((H - 1,), 1.5)), "17 rows": dict(q=q.expand(B, H, 17, D)),
+               "float64 query": dict(q=q.double()), "head sizes": dict(k=k[..., :8], v=v[..., :8])}
+    for name, change in refused.items():
+        call = dict(q=q, k=k, v=v, mask=None, alpha=2.0) | change
+        call = {key: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for key, t in call.items()}
+        reasons = not_supported_reasons(call["q"], call["k"], call["v"], call["mask"], alpha=call["alpha"],
+                                        decoding=True)
+        assert reasons, name
+        with torch.no_grad():
+            with pytest.raises(ValueError) as error:
+                triton_decode(call["q"], call["k"], call["v"], call["mask"], alpha=call["alpha"], scaling=SCALING)
+            assert all(reason in str(error.value) for reason in reasons), (name, reasons, error.value)
+            if name not in ("17 rows", "alpha 2.5"):  # routed to the prefill kernel; the mapping's alpha
+                learned = (lambda a=call["alpha"]: a) if isinstance(call["alpha"], torch.Tensor) else None
+                assert routing.triton_route(
+                    None, call["q"], call["k"], call["v"], call["mask"], kernel="auto", mapping="entmax_bisect",
+                    scaling=SCALING, dropout=0.0, softcap=None, position_bias=None, sinks=None, causal=False,
+                    weights=False, options=None, learned=learned) is None, name
+
+
+def test_offsets_past_two_to_the_31_are_where_64_bit_arithmetic_puts_them(monkeypatch):
+    """Issue 54: the kernels computed offsets as int32 products (a row's scores at ``row * keys``), which wrap once
+    ``B H q n`` passes 2^31 (8 GiB of scores). Without 8 GiB: each launch of a call with 2^14 query rows and
+    139264 keys runs under the interpreter as its last program only (program ids int32, as a GPU gives them),
+    its loads, stores and atomics recorded instead of made (the scratch buffers a float each); the scores the
+    scoring launch writes, the candidates the solver writes and the scores the values launch reads must lie at the
+    offsets the int64 formula gives (row r, key n: ``r keys + n``)."""
+    if CUDA:
+        pytest.skip("the interpreter's program ids and memory operations are patched (a machine without a GPU)")
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder, handle = interpreter.interpreter_builder, interpreter.TensorHandle
+    heads, keys, splits = 1 << 14, 128 * 17 * 64, 128  # 2^14 x 139264 scores: 2.28e9, past 2^31
+    launch = {"ids": (0, 0), "name": None}
+    seen = []  # (kernel, op, dtype, shape, addresses where the mask is set)
+
+    def record(op, ptrs, mask):
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)] if mask is not None else ptrs.data
+        seen.append((launch["name"], op, ptrs.get_element_ty(), ptrs.data.shape, addresses.astype(np.int64)))
+
+    fills = {}  # base address -> the value its loads give (the others 0)
+
+    def load(ptrs, mask, other, cache_policy, is_volatile):
+        record("load", ptrs, mask)
+        dtype = interpreter._get_np_dtype(ptrs.get_element_ty())
+        value = np.zeros(ptrs.data.shape, dtype=dtype)
+        for base, fill in fills.items():
+            value[ptrs.data == base] = fill
+        if other is not None:
+            value = np.where(mask.data, value, other.data).astype(dtype)
+        return handle(value, ptrs.get_element_ty())
+
+    monkeypatch.setattr(builder, "create_get_program_id",
+                        lambda axis: handle(np.array([launch["ids"][axis]], dtype=np.int32), tl.int32))
+    monkeypatch.setattr(builder, "create_masked_load", load)
+    monkeypatch.setattr(builder, "create_masked_store", lambda ptrs, value, mask, policy: record("store", ptrs, mask))
+    monkeypatch.setattr(builder, "create_atomic_rmw", lambda op, ptr, val, mask, sem, scope: handle(
+        np.full(ptr.data.shape, launch["ids"][1], dtype=np.int32), tl.int32))  # the last split finishes last
+
+    class LastProgram:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launch.update(ids=tuple(size - 1 for size in grid) + (0,) * (2 - len(grid)),
+                              name=self.kernel.fn.__name__)
+                return self.kernel[(1,) * len(grid)](*args, **kwargs)
+            return run
+
+    kernels = module._kernels()
+    monkeypatch.setattr(module, "_kernels", lambda: type("Kernels", (), {
+        name: LastProgram(getattr(kernels, name)) for name in ("scores_kernel", "solve_kernel", "values_kernel")}))
+    scratch = {}
+
+    def workspace(device, dtype, sizes, zeros=False):
+        parts = scratch[dtype] = tuple(torch.zeros(1, dtype=dtype) for _ in sizes)
+        if dtype == torch.float64:
+            fills[parts[1].data_ptr()] = -1.0  # tau = -1: every weight live (the values launch reads them all)
+        return parts
+
+    monkeypatch.setattr(module, "_workspace", workspace)
+    q = torch.randn(1, heads, 1, D)
+    k, v = torch.randn(1, 1, keys, D), torch.randn(1, 1, keys, D)
+    with torch.no_grad():
+        triton_decode(q, k, v, None, alpha=2.0, scaling=SCALING, splits=splits)
+    assert launch["name"] == "values_kernel" and launch["ids"] == (heads // 16 - 1, splits - 1)
+    scores, candidates = scratch[torch.float32][0].data_ptr(), scratch[torch.float64][0].data_ptr()
+    split_len = keys // splits
+    rows = np.arange(heads - 16, heads, dtype=np.int64)  # the last row block's rows (the last row of the solver)
+    split_keys = np.arange((splits - 1) * split_len, keys, dtype=np.int64)
+
+    def offsets(kernel, op, dtype, base, size):  # of the [rows, keys] tiles
+        found = [a for name, o, t, shape, a in seen
+                 if name == kernel and o == op and t == dtype and shape == (module.BLOCK_ROWS, module.BLOCK_KEYS)]
+        got = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        return np.unique((got - base) // size)
+
+    expected = np.unique(rows[:, None] * keys + split_keys[None, :])
+    assert expected.max() >= 1 << 31  # past int32
+    np.testing.assert_array_equal(offsets("scores_kernel", "store", tl.float32, scores, 4), expected)
+    np.testing.assert_array_equal(offsets("values_kernel", "load", tl.float32, scores, 4), expected)
+    solved = [a for name, o, t, shape, a in seen if name == "solve_kernel" and o == "store" and t == tl.float64
+              and shape == (module.SOLVE_BLOCK,)]
+    got = np.unique((np.concatenate(solved) - candidates) // 8)
+    np.testing.assert_array_equal(got, (heads - 1) * keys + np.arange(keys, dtype=np.int64))
+
+
+def test_calls_in_flight_together_share_no_split_counts(monkeypatch):
+    """Issue 54: the values launch's counts of finished splits were one buffer per device, kept at zero between
+    calls, so two calls in flight on two streams counted into each other's (a row block summed early, or never:
+    its output left unwritten). Now each call has its own counts, zeroed: a second call made while the first one's
+    values launch is about to run gets other counts, and both answer exactly."""
+    kernels = module._kernels()
+    counts, outputs = [], []
+    q, k, v = inputs(1, identity=False)
+    q2 = q.flip(0).contiguous()
+
+    class Interleaved:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                counts.append(args[8])  # count_ptr
+                assert not args[8].any()
+                if len(counts) == 1:  # the first call: a second one runs before its values launch
+                    outputs.append(run_splits(q2))
+                return kernels.values_kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(module, "_kernels", lambda: type("Kernels", (), {
+        "scores_kernel": kernels.scores_kernel, "solve_kernel": kernels.solve_kernel, "values_kernel": Interleaved()}))
+    run_splits = lambda query: run(query, k, v, None, 1.5, splits=3)  # noqa: E731
+    first = run_splits(q)
+    assert len(counts) == 2 and counts[0].data_ptr() != counts[1].data_ptr()
+    check(first, q, k, v, None, 1.5)
+    check(outputs[0], q2, k, v, None, 1.5)
 
 
 def test_the_kernels_compile_for_an_h100():

@@ -189,3 +189,31 @@ def test_python_dash_m_builds_the_kernel(cache):
                           text=True, env={**os.environ, "HF_SPARSEMAX_CACHE": str(cache)}, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(".so") and built(cache)
+
+
+def test_no_build_leaves_a_private_folder_or_a_partial_file_behind(cache, monkeypatch, tmp_path):
+    """Issue 54: kernel_build left its private ``mkdtemp`` folders and, on a file system without hard links, its
+    ``.building-*.so`` partial file behind, and a failed compile (the compiler removes its output) raised
+    FileNotFoundError from that cleanup in place of the compiler's error. Now a failed build raises the compiler's
+    error, its partial file removed; the partial file
+    loaded where no link can publish it, and the private folder, are removed when the process exits (each an
+    ``atexit`` callback: run here)."""
+    at_exit = []
+    monkeypatch.setattr(kernel_build.atexit, "register", lambda call, *args, **kw: at_exit.append((call, args, kw)))
+    command, header = kernel_build.compiler(), fused.header()
+    with pytest.raises(RuntimeError, match="failed"):
+        kernel_build.compile_into(str(cache), "broken.so", command, ("-DHF_SPARSEMAX_PARAMS=<no such header>",),
+                                  header)
+    assert os.listdir(cache) == [] and at_exit == []  # the failed build's partial file: removed at once
+
+    def no_links(source, target):
+        raise PermissionError("no hard links on this file system")
+
+    monkeypatch.setattr(kernel_build.os, "link", no_links)
+    path = kernel_build.compile_into(str(cache), "fused-test.so", command, kernel_build.FLAGS, header)
+    assert os.path.basename(path).startswith(".building-") and os.listdir(cache) == [os.path.basename(path)]
+    private = kernel_build.private_folder()
+    assert os.path.isdir(private)
+    for call, args, kw in at_exit:
+        call(*args, **kw)
+    assert os.listdir(cache) == [] and not os.path.exists(private)

@@ -364,8 +364,19 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
    kv head is never read, and left out of the rows handed to the solver (attend_keys over the kept keys, their
    indices ascending). Every other key is scored exactly by score_keys (the row's maximum among them: its
    t + E >= s_max >= M). So the certified step hands the solver the same candidates with the same scores, in the
-   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or query gives a NaN bound, which
-   certifies nothing (the comparisons are written so), and the full step's NaN output follows. */
+   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or
+   query gives a NaN bound, which certifies nothing (the comparisons are written so), and the full step's NaN
+   output follows.
+
+   Overflow. The bound above is float32's error analysis, which assumes no sum overflows; a huge key can overflow
+   the full step's float32 sum while its true score is small (q.k = 0 from +-3e38 entries: the full step's score
+   inf or NaN, its row NaN; its t + E finite, so certified). Every partial sum of the full step's score, its
+   scaling and the mask's addition stay below
+       R = 2 max(1, |scaling|) ||q|| s_k (rho + kappa) + |m|
+   (each partial sum is at most sum_d |q_d k_d| (1 + gamma) <= ||q|| ||k|| (1 + gamma), ||k|| <= s_k (rho + kappa);
+   the factor 2 covers gamma and the roundings of R in float32). A key whose R is not below FLT_MAX (NaN where
+   it has no code) is read and scored exactly, and kept out of M (its t - E bounds no score that overflowed):
+   the row then sees that key's score as the full step does, inf or NaN included. */
 
 #define UNIT_ROUNDOFF 5.9604644775390625e-08 /* 2^-24, float32's */
 
@@ -566,7 +577,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
                                 float *compact, int64_t *n) {
     int64_t rows = p->rows, keys = p->keys, dim = p->dim;
     int16_t *e = malloc(sizeof(int16_t) * rows * dim);
-    float *spec = malloc(sizeof(float) * rows * 3);         /* per row: scaling s_q, A_q, the cut on t + E */
+    float *spec = malloc(sizeof(float) * rows * 4); /* per row: scaling s_q, A_q, the cut on t + E, R's factor */
     float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* per row and lane: the largest t - E */
     int32_t *products = malloc(sizeof(int32_t) * rows * CODE_BLOCK); /* a block's integer products, row by row */
     if (!e || !spec || !lows || !products) {
@@ -594,9 +605,11 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
             residual += r * r;
         }
         norm = sqrt(norm) * (1.0 + NORM_SLACK), residual = sqrt(residual) * (1.0 + NORM_SLACK);
-        spec[3 * i] = (float)((double)p->scaling * scale);
-        spec[3 * i + 1] = (float)(fabs((double)p->scaling) *
+        spec[4 * i] = (float)((double)p->scaling * scale);
+        spec[4 * i + 1] = (float)(fabs((double)p->scaling) *
                                   (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa)));
+        /* R's factor (overflow, above): R = s_k spec[4 i + 3] + |m| */
+        spec[4 * i + 3] = (float)(2.0 * fmax(1.0, fabs((double)p->scaling)) * norm * (rho + kappa));
         for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
@@ -611,17 +624,17 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t i = 0; i < rows; i++) {
             const int32_t *product = products + i * CODE_BLOCK;
             for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
-            float sc = spec[3 * i], bound = spec[3 * i + 1];
+            float sc = spec[4 * i], bound = spec[4 * i + 1], reach = spec[4 * i + 3];
             float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
 #pragma omp simd
             for (int64_t l = 0; l < count; l++) {
                 float t = sc * scale_k[l] * (float)product[l] + m[l];
                 float err = (scale_k[l] * bound + (float)SUM_SLACK * (fabsf(t) + fabsf(m[l]))) * error;
                 float lo = t - err, hi = t + err, old = low[l];
-                int masked = m[l] <= level;
+                int masked = m[l] <= level, wild = !(scale_k[l] * reach + fabsf(m[l]) < FLT_MAX); /* R (above) */
                 hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */
-                lo = masked ? -INFINITY : lo;
-                up[l] = masked ? -INFINITY : hi;
+                lo = masked || wild ? -INFINITY : lo;
+                up[l] = masked ? -INFINITY : wild ? INFINITY : hi; /* wild: read and scored exactly */
                 low[l] = lo > old ? lo : old;
             }
         }
@@ -632,7 +645,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t l = 0; l < CODE_BLOCK; l++) top = lows[i * CODE_BLOCK + l] > top ? lows[i * CODE_BLOCK + l] : top;
         double cut = am1 > 0.0 ? top - (p->candidate_margin + CUT_SLACK) / am1 : -INFINITY;
         float rounded = (float)cut;
-        spec[3 * i + 2] = (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded; /* rounded down */
+        spec[4 * i + 2] = (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded; /* rounded down */
     }
     /* pass 2: a key some row cannot certify is read and scored exactly (those few, compacted) */
     int64_t certified = 0, found = 0;
@@ -642,7 +655,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         memset(keep, 0, sizeof keep);
         for (int64_t i = 0; i < rows; i++) {
             const float *up = scores + i * keys + start;
-            float cut = spec[3 * i + 2];
+            float cut = spec[4 * i + 2];
             for (int64_t l = 0; l < count; l++) keep[l] |= !(up[l] <= cut);
         }
         code_block(p, b, h, start, count, scale_k); /* which keys have codes (counted where not read) */

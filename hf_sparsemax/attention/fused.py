@@ -243,11 +243,15 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
         m_g=strides[2], m_r=strides[3], m_n=strides[4], scaling=problem.scaling,
         fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype])
     if codes is not None:
-        checked("key codes", codes.codes, (batch, kv_heads, None, dim), device)
-        checked("key scales", codes.scales, (batch, kv_heads, codes.codes.shape[2]), device)
-        if not (codes.coded <= length <= min(keys, codes.codes.shape[2])) or dim > MAX_CODED_DIM or dim % 2:
-            raise ValueError(f"fused attention kernel: key codes of {codes.coded} keys, {codes.codes.shape[2]} "
-                             f"slots, dim {dim} cannot code {length} keys of {keys}")
+        size = codes.codes.shape[2] if codes.codes.dim() == 4 else -1
+        if (not (codes.coded <= length <= min(keys, size)) or size % CERTIFICATE["CODE_BLOCK"]
+                or dim > MAX_CODED_DIM or dim % 2):
+            raise ValueError(f"fused attention kernel: key codes of shape {tuple(codes.codes.shape)} ({codes.coded} "
+                             f"keys coded) cannot code {length} keys of {keys}, head size {dim}")
+        checked_codes((("key codes", codes.codes, (batch, kv_heads, size, dim), torch.int8),
+                       ("key scales", codes.scales, (batch, kv_heads, size), torch.float32),
+                       ("key code bounds", codes.bounds, (batch, kv_heads, 2), torch.float64),
+                       ("certified counts", codes.certified, (batch * kv_heads,), torch.int64)), device)
         params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()
         params.code_bounds, params.certified = codes.bounds.data_ptr(), codes.certified.data_ptr()
         params.c_b, params.c_h = codes.scales.stride(0), codes.scales.stride(1)
@@ -266,24 +270,30 @@ def check_slots(slots: torch.Tensor, rows: int) -> None:
         raise ValueError(f"fused attention kernel: a slot outside the cache's {rows} rows")
 
 
-def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
-    """The slots ``S`` of a paged cache's codes (:class:`.keycodes.SlotCodes`) for ``key_rows [slots, Hkv, D]``:
-    ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32, ``S`` a multiple of ``CODE_BLOCK``
-    covering the cache; a mismatch is a ValueError."""
-    slots, kv_heads, dim = key_rows.shape
-    size = codes.codes.shape[1] if codes.codes.dim() == 3 else -1
-    if (size < slots or size % CERTIFICATE["CODE_BLOCK"] or codes.codes.dtype != torch.int8
-            or codes.scales.dtype != torch.float32 or codes.residuals.dtype != torch.float32
-            or dim % 2 or dim > MAX_CODED_DIM):
-        raise ValueError(f"fused attention kernel: slot codes of shape {tuple(codes.codes.shape)} cannot code a "
-                         f"cache of {slots} slots, {kv_heads} kv heads, head size {dim}")
-    device = key_rows.device
-    for name, tensor, shape in (("slot codes", codes.codes, (kv_heads, size, dim)),
-                                ("slot scales", codes.scales, (kv_heads, size)),
-                                ("slot residuals", codes.residuals, (kv_heads, size))):
+def checked_codes(operands, device: torch.device) -> None:
+    """The int8 certificate's tensors, each ``(name, tensor, shape, dtype)``: of that dtype, contiguous (the kernel
+    walks them by the layout it writes, not by their strides), of that shape, on ``device``; else a ValueError
+    naming it (nothing is read or written)."""
+    for name, tensor, shape, dtype in operands:
+        if tensor.dtype != dtype:
+            raise ValueError(f"fused attention kernel: {name} are {tensor.dtype}, expected {dtype}")
+        checked(name, tensor, shape, device)
         if not tensor.is_contiguous():
             raise ValueError(f"fused attention kernel: {name} must be contiguous")
-        checked(name, tensor, shape, device)
+
+
+def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
+    """The slots ``S`` of a paged cache's codes (:class:`.keycodes.SlotCodes`) for ``key_rows [slots, Hkv, D]``:
+    ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32 (:func:`checked_codes`), ``S`` a
+    multiple of ``CODE_BLOCK`` covering the cache; a mismatch is a ValueError."""
+    slots, kv_heads, dim = key_rows.shape
+    size = codes.codes.shape[1] if codes.codes.dim() == 3 else -1
+    if size < slots or size % CERTIFICATE["CODE_BLOCK"] or dim % 2 or dim > MAX_CODED_DIM:
+        raise ValueError(f"fused attention kernel: slot codes of shape {tuple(codes.codes.shape)} cannot code a "
+                         f"cache of {slots} slots, {kv_heads} kv heads, head size {dim}")
+    checked_codes((("slot codes", codes.codes, (kv_heads, size, dim), torch.int8),
+                   ("slot scales", codes.scales, (kv_heads, size), torch.float32),
+                   ("slot residuals", codes.residuals, (kv_heads, size), torch.float32)), key_rows.device)
     return size
 
 

@@ -26,6 +26,7 @@ there once, and processes after load it (a folder they cannot write is fine).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import os
@@ -151,6 +152,11 @@ def library_name(command: list[str], flags: tuple[str, ...], header: str) -> str
     return f"fused-{digest}.so"
 
 
+def remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def compile_into(folder: str, name: str, command: list[str], flags: tuple[str, ...], header: str) -> str:
     """Compile under a temporary name in ``folder``, then publish as ``name`` with ``os.link`` (never replacing a
     file: if another process published first, its library is the one used). Returns the library's path."""
@@ -173,13 +179,14 @@ def compile_into(folder: str, name: str, command: list[str], flags: tuple[str, .
             os.link(partial, path)
         except FileExistsError:
             pass  # another process built the same library first: use theirs (checked below)
-        except OSError:  # a file system without hard links: load the private build, publish nothing
-            keep_partial = True
+        except OSError:  # a file system without hard links: load the private build, publish nothing, remove it
+            keep_partial = True  # at exit (a library loaded from it stays mapped until then)
+            atexit.register(remove_quietly, partial)
             return check_library(partial)
         return check_library(path)
     finally:
         if not keep_partial:
-            os.unlink(partial)
+            remove_quietly(partial)  # (a failed compiler run may have removed it already)
 
 
 def build(flags: tuple[str, ...], header: str) -> str:

@@ -52,13 +52,14 @@ the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before the first
 from __future__ import annotations
 
 import importlib.util
-import os
 import types
 
 import torch
 
 from ..mappings._core import DENSE_MAX_ITER, DENSE_TOLERANCE_ULPS
 from ..mappings.entmax import precise_in_float32
+from .triton_decode import interpreting
+from .triton_decode import reasons as decode_reasons
 
 BLOCK_M, BLOCK_N = 64, 64  # query rows and keys a tile on a GPU (tl.dot tiles of BLOCK_M x BLOCK_N x D)
 NUM_WARPS, NUM_STAGES = 4, 3  # launch options of every kernel on a GPU (Triton's defaults)
@@ -74,14 +75,6 @@ HEAD_SIZES = (16, 32, 64, 128)  # head sizes the kernels take (powers of 2 that 
 # query / key head size and, apart from it, the value head size (DeepSeek's MLA heads differ: 192 / 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64)
-INTERPRET_VALUES = ("1", "true", "on", "yes")  # TRITON_INTERPRET values triton reads as on
-
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in INTERPRET_VALUES
-
-
 def triton_available() -> bool:
     """Whether ``triton`` is installed (imported only on first use)."""
     return importlib.util.find_spec("triton") is not None
@@ -94,7 +87,8 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
 
     ``mapping``: the attention's mapping name (None: alpha-entmax with ``alpha``); ``dropout`` the dropout
     probability applied (0 outside training); ``weights``: the caller asked for the attention weights;
-    ``decoding``: the call goes to the decoding kernel (:mod:`.triton_decode`), which takes any head sizes.
+    ``decoding``: the call goes to the decoding kernel, whose operands are checked by its own predicate
+    (:func:`.triton_decode.reasons`, the one :func:`.triton_decode.triton_decode` raises on).
     """
     from ..mappings import registry
 
@@ -116,13 +110,15 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
         reasons.append("a position bias")
     if sinks is not None:
         reasons.append("attention sinks")
+    if decoding:
+        return reasons + decode_reasons(query, key, value, mask, alpha)
     tensors = (query, key, value)
     if any(t.dim() != 4 for t in tensors):
         return reasons + ["query, key and value must be 4-D [B, H, len, D]"]
     if query.dtype not in DTYPES or not query.dtype == key.dtype == value.dtype:
         reasons.append(f"dtypes {query.dtype}/{key.dtype}/{value.dtype} (the kernels take one of float32, "
                        "bfloat16, float16 for all three)")
-    reasons.extend(head_size_reasons(query.shape[-1], key.shape[-1], value.shape[-1], decoding))
+    reasons.extend(head_size_reasons(query.shape[-1], key.shape[-1], value.shape[-1]))
     if (key.shape[:2] != value.shape[:2] or key.shape[-2] != value.shape[-2] or query.shape[0] != key.shape[0]
             or key.shape[1] == 0 or query.shape[1] % key.shape[1]):
         reasons.append(f"shapes {tuple(query.shape)}/{tuple(key.shape)}/{tuple(value.shape)} are not "
@@ -144,15 +140,13 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
     return reasons
 
 
-def head_size_reasons(query: int, key: int, value: int, decoding: bool = False) -> list[str]:
+def head_size_reasons(query: int, key: int, value: int) -> list[str]:
     """Why the kernels cannot take these head sizes: the query's and the key's must agree and be one of
-    ``HEAD_SIZES``; the value's is one of ``HEAD_SIZES`` too, equal to theirs or not. The decoding kernel pads its
-    tiles to a power of 2 and masks them: any sizes (``decoding``), the query's and the key's equal."""
+    ``HEAD_SIZES``; the value's is one of ``HEAD_SIZES`` too, equal to theirs or not. (The decoding kernel pads its
+    tiles to a power of 2 and masks them: any sizes, :func:`.triton_decode.reasons`.)"""
     reasons = []
     if key != query:
         reasons.append(f"query and key head sizes {query}/{key} differ (q k^T needs one)")
-    if decoding:
-        return reasons
     if query not in HEAD_SIZES:
         reasons.append(f"query / key head size {query} (the kernels take one of {HEAD_SIZES}; the torch path any)")
     if value not in HEAD_SIZES:

@@ -13,9 +13,14 @@ Three launches, each a few lines of maths (the notation of :mod:`.triton_decode`
    (``beta = 1``) this is Michelot's algorithm: support sums, closed form ``(sum z - 1) / k``, recount.
 3. :func:`values_kernel`, one program per (kv head, row block, split): ``p = relu(z - tau) ** beta`` and
    ``P V`` over the key blocks where some row's weight is nonzero (the other value blocks are never read); the
-   last split of a row block to finish (an atomic count) sums the splits' partial outputs into the output.
+   last split of a row block to finish (an atomic count, zeroed by each call) sums the splits' partial outputs
+   into the output.
 
 A row that sees no key gets 0 and a row with a NaN or ``+inf`` score NaN, as the CPU kernel (:mod:`.fused`).
+
+Offsets are 64-bit: each kernel takes its program ids as int64 (:func:`program`), and every row, head and key
+index is computed from them, so the products of sizes (a row's scores at ``row * keys``: ``B H q n`` scores pass
+2^31 at 8 GiB; a key at ``n * stride`` in a long cache) do not wrap as int32 products would.
 """
 
 from __future__ import annotations
@@ -25,15 +30,21 @@ import triton.language as tl
 
 
 @triton.jit
+def program(axis: tl.constexpr):
+    """This program's index on ``axis``, as int64 (the module docstring: offsets computed from it are 64-bit)."""
+    return tl.program_id(axis).to(tl.int64)
+
+
+@triton.jit
 def scores_kernel(q_ptr, k_ptr, m_ptr, s_ptr, top_ptr, bad_ptr,
                   sq_b, sq_h, sq_r, sq_d, sk_b, sk_h, sk_n, sk_d, sm_b, sm_h, sm_r, sm_n,
                   kv_heads, groups, q_rows, rows, keys, dim, row_blocks, splits, split_len, scaling, masked,
                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr,
                   HALF: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    pid = program(0)
+    split = program(1)
     task = pid // row_blocks  # b * kv_heads + h
-    b = (task // kv_heads).to(tl.int64)
+    b = task // kv_heads
     h = task % kv_heads
     r = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the group: query head h G + r // q
     row_ok = r < rows
@@ -80,7 +91,7 @@ def scores_kernel(q_ptr, k_ptr, m_ptr, s_ptr, top_ptr, bad_ptr,
 def solve_kernel(s_ptr, top_ptr, bad_ptr, c_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_ptr,
                  heads, q_rows, keys, splits, tolerance, max_iter,
                  BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    row = tl.program_id(0)
+    row = program(0)
     part = tl.arange(0, BLOCK_S)
     m = tl.max(tl.load(top_ptr + row * splits + part, mask=part < splits, other=float("-inf")), axis=0)
     bad = tl.sum(tl.load(bad_ptr + row * splits + part, mask=part < splits, other=0), axis=0)
@@ -143,10 +154,10 @@ def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_p
                   split_len,
                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HALF: tl.constexpr,
                   BFLOAT16: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    pid = program(0)
+    split = program(1)
     task = pid // row_blocks
-    b = (task // kv_heads).to(tl.int64)
+    b = task // kv_heads
     h = task % kv_heads
     r = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < rows
@@ -184,7 +195,7 @@ def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_p
             else:
                 acc += tl.dot(p, v, input_precision="ieee")
     tl.store(o_ptr + (out_row[:, None] * splits + split) * value_dim + dv[None, :], acc, mask=out_ok)
-    # The last split of this row block to finish sums the splits' partial outputs (then resets its counter).
+    # The last split of this row block to finish sums the splits' partial outputs (the counts: zeros of this call).
     tl.debug_barrier()
     finished = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
     if finished == splits - 1:
@@ -199,4 +210,3 @@ def values_kernel(s_ptr, v_ptr, alpha_ptr, alpha_stride, tau_ptr, m_ptr, state_p
             total = bits.to(tl.float32, bitcast=True)
         tl.store(out_ptr + out_row[:, None] * value_dim + dv[None, :], total.to(out_ptr.dtype.element_ty),
                  mask=out_ok)
-        tl.store(count_ptr + pid, 0)
