@@ -19,7 +19,7 @@ from hf_sparsemax.attention import fused, growing_cache, keycodes, pages
 from hf_sparsemax.attention.growing_cache import GrowingCache, GrowingLayer
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import module_for
-from test_attention_keycodes import D, H, H_KV, SCALING, full_step, fused_problem, inputs, key_codes
+from test_attention_keycodes import D, H, H_KV, SCALING, assert_codes_as_written_afresh, full_step, inputs
 
 needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
 
@@ -128,13 +128,7 @@ def test_step_by_step_through_reallocations_a_crop_and_a_beam_reorder(monkeypatc
         summary = getattr(cache.layers[0], pages.SUMMARY_ATTR)
         if not any(seen is summary for seen in summaries):
             summaries.append(summary)
-        fresh = keycodes.KeyCodes(keys)
-        fresh.reserve(keys.shape[-2], keys.shape[-2])
-        fused.decode(fused_problem(q, keys.contiguous(), values.contiguous()), 2.0, codes=fresh,
-                     length=keys.shape[-2])
-        n = keys.shape[-2]
-        assert summary.codes.coded == n and torch.equal(summary.codes.scales[:, :, :n], fresh.scales[:, :, :n])
-        assert torch.equal(key_codes(summary.codes, n), key_codes(fresh, n))
+        assert_codes_as_written_afresh(summary.codes, q, keys, values)
         position += 1
         if position == 95 and not cropped:
             cache.crop(-7)
