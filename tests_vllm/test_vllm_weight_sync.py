@@ -18,6 +18,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 WORKER = Path(__file__).with_name("weight_sync.py")
+LAYERS = 2  # SmolLM2's first layers in the learned-alpha folders
+
+
+def synced(folder_a, folder_b, out, *flags):
+    """``weight_sync.py``'s record (``before``, ``synced``, ``fresh``, ``packed``, ``partial``) and its process."""
+    done = subprocess.run([sys.executable, str(WORKER), str(folder_a), str(folder_b), str(out), *flags],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
+    return json.loads(out.read_text()), done
 
 
 def test_weights_synced_into_a_running_engine_are_the_ones_it_computes(tmp_path):
@@ -27,11 +36,7 @@ def test_weights_synced_into_a_running_engine_are_the_ones_it_computes(tmp_path)
     for name, seed in (("a", 0), ("b", 1)):
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(tmp_path / name)
-    out = tmp_path / "seen.json"
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "a"), str(tmp_path / "b"), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
-    seen = json.loads(out.read_text())
+    seen, done = synced(tmp_path / "a", tmp_path / "b", tmp_path / "seen.json")
     print("packed layers:", len(seen["packed"]), seen["packed"][:3])
     assert [tokens for tokens, _ in seen["before"]] != [tokens for tokens, _ in seen["fresh"]]  # B differs from A
     assert seen["synced"] == seen["fresh"]
@@ -39,3 +44,43 @@ def test_weights_synced_into_a_running_engine_are_the_ones_it_computes(tmp_path)
         logged = (seen["partial"] or "") + done.stdout + done.stderr
         assert "model.layers.0.self_attn.qkv_proj: " in logged and "load all of a layer's weights at once" in logged, \
             logged[-3000:]
+
+
+def learned_folders(root):
+    """Folders A and B: SmolLM2's first LAYERS layers with entmax-bisect attention that learned its alphas, one
+    temperature per head and ASEntmax's length scale; the same weights but for those learned values (B's differ
+    from A's in every layer and head), so that only they can tell an engine on A from one on B."""
+    import hf_sparsemax as hs
+    from smollm2 import float32_smollm2
+
+    model, tokenizer = float32_smollm2()
+    model.model.layers = model.model.layers[:LAYERS]
+    model.config.num_hidden_layers = LAYERS
+    hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True,
+                                                              "learn_temperature": True, "length_scale": True})
+    learned = [(name, p) for name, p in model.named_parameters() if name.endswith("pre_alpha")]
+    learned += hs.query_scale_parameters(model)
+    assert {name.rsplit(".", 1)[-1] for name, _ in learned} == {"pre_alpha", "log_temperature", "delta", "beta",
+                                                                "gamma"}
+    start = {name: p.data.clone() for name, p in learned}
+    for folder, seed in (("a", 1), ("b", 2)):
+        generator = torch.Generator().manual_seed(seed)
+        for name, parameter in learned:
+            spread = 1.5 if name.endswith("pre_alpha") else 0.3
+            parameter.data = start[name] + torch.randn(parameter.shape, generator=generator) * spread
+        model.save_pretrained(root / folder)
+        tokenizer.save_pretrained(root / folder)
+    return root / "a", root / "b"
+
+
+def test_learned_alphas_and_query_scales_synced_into_a_running_engine_are_the_ones_it_computes(tmp_path):
+    """The same with a sparse-attention folder whose alphas, temperatures and length scales were learned: the
+    backend computes with them, so an engine on A that received B's weights must decode as an engine on B (not
+    with A's alphas and scales kept from its load)."""
+    folder_a, folder_b = learned_folders(tmp_path)
+    seen, _ = synced(folder_a, folder_b, tmp_path / "seen.json", "--learned-first")
+    print({key: seen[key][0] for key in ("before", "learned", "restored", "synced", "fresh")})
+    assert seen["before"] != seen["fresh"]  # B's learned values change what the engine computes
+    assert seen["learned"] == seen["fresh"]  # loaded by vLLM's own load_weights (no reload)
+    assert seen["restored"] == seen["before"]
+    assert seen["synced"] == seen["fresh"]  # TRL's sync (through the plugin's reload where vLLM packed)

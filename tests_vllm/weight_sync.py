@@ -5,6 +5,10 @@ colocate mode runs it; dtype "auto": bfloat16 on CPU) receives ``FOLDER_B``'s pa
 each (TRL's ``sync_weights``), then decodes; a second engine loads ``FOLDER_B`` from disk and decodes the same prompts.
 Then, where vLLM packed the weights, one linear layer's weights are copied alone, which must be refused. Writes
 ``{"before", "synced", "fresh": [[tokens, logprobs], ...], "packed": [...], "partial": message or None}``.
+``--learned-first`` (folders that differ only in learned alphas, temperatures and length scales): before that sync,
+only ``FOLDER_B``'s learned values are loaded through vLLM's own ``load_weights`` (as an engine whose weights are not
+packed loads every weight, without hf_sparsemax's reload) and decoded (``"learned"``), then ``FOLDER_A``'s
+(``"restored"``).
 """
 
 import gc
@@ -20,6 +24,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100], [7, 8, 200]]
 ENGINE = dict(max_model_len=128, seed=0, skip_tokenizer_init=True)
+LEARNED = ".hf_sparsemax_"  # in the names of learned alphas, temperatures and length scales
 
 
 def decode(llm):
@@ -35,7 +40,7 @@ def shut(llm):
     gc.collect()
 
 
-def main(folder_a, folder_b, out):
+def main(folder_a, folder_b, out, learned_first=False):
     from hf_sparsemax.integrations.vllm.reload import packed_modules
 
     seen = {}
@@ -47,6 +52,13 @@ def main(folder_a, folder_b, out):
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     seen["packed"] = packed_modules(model)
     trained = AutoModelForCausalLM.from_pretrained(folder_b)
+    if learned_first:  # vLLM's own load_weights (an engine that packs nothing), the learned values only
+        own_load = type(model).load_weights.__get__(model)  # the class's, not the plugin's wrapper on the instance
+        for folder, key in ((folder_b, "learned"), (folder_a, "restored")):
+            source = trained if folder == folder_b else AutoModelForCausalLM.from_pretrained(folder_a)
+            own_load([(name, param.data) for name, param in source.named_parameters() if LEARNED in name])
+            llm.reset_prefix_cache()
+            seen[key] = decode(llm)
     for name, param in trained.named_parameters():  # TRL's sync_weights: one parameter a call
         model.load_weights([(name, param.data)])
     llm.reset_prefix_cache()
@@ -65,4 +77,4 @@ def main(folder_a, folder_b, out):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:4], learned_first="--learned-first" in sys.argv[4:])

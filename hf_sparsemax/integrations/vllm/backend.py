@@ -20,6 +20,13 @@ Query scales (``temperature``, ``learn_temperature``, ``length_scale``: :mod:`hf
 multiply the queries before the attention, as transformers does: fixed temperatures from the config (by the
 layer's number), learned temperatures and length scales loaded as the learned alphas are (:data:`SCALE_PARAMS`),
 each token's length scale at its position in its request.
+
+Weights loaded into a running engine (TRL's colocate weight sync: ``model.load_weights``). The layer computes with
+copies of its learned values (alphas as ``1 + sigmoid(pre_alpha)`` in float32, temperatures, length scales), built
+by :meth:`SparseCPUAttentionImpl.refresh` from the layer's parameters as they are at the first forward after any of
+them loaded (each one's weight loader marks the copies out of date). Not when they load: vLLM's in-place reload
+(:mod:`.reload`) processes an attention layer's new values in temporary parameters before it copies them into the
+layer's own, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         self.settings = current_attention_settings() if self.attn_type == AttentionType.DECODER else None
         self.attention: SparseAttention | None = None  # set once the layer's learned alphas loaded (learn_alpha)
         self.query_scales: QueryScales | None = None  # set once the layer's weights loaded (temperature, length)
+        self.outdated = True  # the layer's parameters changed since refresh built the two above (see the docstring)
         if self.settings is None:
             return
         unsupported = [name for name, used in (
@@ -75,8 +83,6 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if unsupported:
             raise ValueError(f"hf_sparsemax serves {self.settings.attn} attention without {' or '.join(unsupported)}, "
                              "which this model's attention uses: serve it with transformers")
-        if not self.settings.attention_options.learn_alpha:
-            self.attention = SparseAttention.from_settings(self.settings)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.settings is None:
@@ -92,8 +98,8 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("fused output quantization is not supported with hf_sparsemax attention")
         if attn_metadata is None:  # vLLM's warm-up call
             return output
-        if self.attention is None:
-            raise ValueError(f"{layer.layer_name}: the folder's learned alphas did not load")
+        if self.outdated:
+            self.refresh(layer)
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise ValueError(f"{layer.layer_name}: hf_sparsemax serves causal decoder attention only")
         count = attn_metadata.num_actual_tokens
@@ -105,6 +111,21 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         paged_attention(rows, kv_cache, plan.batch, self.scale, self.attention, output[:count], plan,
                         *((key, value) if written else (None, None)))  # a whole new prompt: its own keys
         return output
+
+    def refresh(self, layer: torch.nn.Module) -> None:
+        """Build :attr:`attention` and :attr:`query_scales` from ``layer``'s parameters as they are now (a
+        ``ValueError`` naming the layer where a learned one did not load)."""
+        alpha = None
+        if self.settings.attention_options.learn_alpha:
+            pre_alpha = getattr(layer, ALPHA_PARAM)
+            if bool(torch.isnan(pre_alpha).any()):
+                raise ValueError(f"{layer.layer_name}: this folder's attention learned one alpha per head, and "
+                                 "they did not load (no <attention>.hf_sparsemax_alpha.pre_alpha tensor in the "
+                                 "checkpoint for this layer)")
+            alpha = 1 + torch.sigmoid(pre_alpha.detach().float())
+        self.attention = SparseAttention.from_settings(self.settings, alpha)
+        self.query_scales = layer_query_scales(layer, self.settings)
+        self.outdated = False
 
 
 def step_of(attn_metadata, kv_cache: torch.Tensor, query: torch.Tensor) -> StepPlan:
@@ -142,20 +163,14 @@ class SparseAttentionMethod(BaseKVCacheMethod):
         learned += [name for name in SCALE_PARAMS if "length" in name] if options.length_scale else []
         for name in learned:
             param = torch.nn.Parameter(torch.full((layer.num_heads,), float("nan")), requires_grad=False)
-            param.weight_loader = load_own_heads
+            param.weight_loader = own_heads_loader(impl)
             setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Refuse a layer whose learned values did not load, here rather than at its first request."""
         super().process_weights_after_loading(layer)
-        impl = layer.impl
-        if impl.settings.attention_options.learn_alpha:
-            pre_alpha = getattr(layer, ALPHA_PARAM)
-            if bool(torch.isnan(pre_alpha).any()):
-                raise ValueError(f"{layer.layer_name}: this folder's attention learned one alpha per head, and "
-                                 "they did not load (no <attention>.hf_sparsemax_alpha.pre_alpha tensor in the "
-                                 "checkpoint for this layer)")
-            impl.attention = SparseAttention.from_settings(impl.settings, 1 + torch.sigmoid(pre_alpha.detach().float()))
-        impl.query_scales = layer_query_scales(layer, impl.settings)
+        layer.impl.refresh(layer)
+        layer.impl.outdated = True  # vLLM's reload calls this on temporary parameters: built again at the forward
 
 
 def layer_query_scales(layer: torch.nn.Module, settings: SparseSettings) -> QueryScales | None:
@@ -183,6 +198,17 @@ def layer_query_scales(layer: torch.nn.Module, settings: SparseSettings) -> Quer
     if temperature is None and length is None:
         return None
     return QueryScales(temperature, length)
+
+
+def own_heads_loader(impl: SparseCPUAttentionImpl):
+    """The weight loader of a layer's learned parameters: :func:`load_own_heads`, then the layer's copies of
+    them are out of date (rebuilt at its next forward)."""
+
+    def load_learned(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
+        load_own_heads(param, loaded)
+        impl.outdated = True
+
+    return load_learned
 
 
 def load_own_heads(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
