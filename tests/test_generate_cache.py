@@ -2,7 +2,8 @@
 static cache's decoding steps over its filled slots only (:func:`hf_sparsemax.attention.pages.filled_part`).
 
 Checked: with no cache given, a sparse-attention model's ``generate`` (greedy, beam search) makes a GrowingCache
-and gives the tokens and scores of an explicit DynamicCache bit for bit; a given cache and a
+and gives the tokens and scores of an explicit DynamicCache bit for bit (every causal family of the sweep: a
+GrowingCache unless it has sliding-window layers); a given cache and a
 ``cache_implementation`` are kept; a sliding-window family, an encoder-decoder and an unpatched model keep
 transformers' cache; a saved and reloaded model makes it again. With a StaticCache, greedy ``generate`` gives
 DynamicCache's tokens and scores bit for bit while every decoding step reads only the filled slots; a mask that
@@ -18,7 +19,7 @@ from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 import hf_sparsemax as hs
 from hf_sparsemax.attention import fused, growing_cache, interface, keycodes, pages
 from hf_sparsemax.attention.growing_cache import GrowingCache
-from families import tiny_model
+from families import FAMILIES, batch, tiny_model
 from test_growing_cache import generate, prompt, tiny_llama
 
 needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
@@ -78,6 +79,20 @@ def test_sliding_windows_and_encoder_decoders_keep_transformers_cache(family):
     else:
         assert type(out.cache) is DynamicCache  # with its sliding-window layers
         assert any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in out.cache.layers)
+
+
+WINDOWED = {"mistral", "gemma2", "gemma3_text", "gpt_oss"}  # the sweep's configs with sliding-window layers
+
+
+@pytest.mark.parametrize("family", [name for name, entry in FAMILIES.items() if entry[2] == "causal"])
+def test_every_causal_family_decodes_on_the_default_as_on_dynamic_cache(family):
+    model = hs.patch_model(tiny_model(family), attn="entmax15")
+    with torch.no_grad():
+        got, want = (model.generate(**batch(family), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                    return_dict_in_generate=True, output_scores=True, cache=cache)
+                     for cache in (None, DynamicCache(config=model.config)))
+    assert type(got.cache) is (DynamicCache if family in WINDOWED else GrowingCache)
+    assert same(got, want)
 
 
 def test_a_saved_patched_model_reloads_with_the_default(tmp_path):
