@@ -1,7 +1,8 @@
 """The cache a patched model's ``generate`` decodes with (:mod:`hf_sparsemax.attention.growing_cache`), and a
 static cache's decoding steps over its filled slots only (:func:`hf_sparsemax.attention.pages.filled_part`).
 
-Checked: with no cache given, a sparse-attention model's ``generate`` (greedy, beam search) makes a GrowingCache
+Checked: with no cache given, a sparse-attention model's ``generate`` (greedy, beam search, assisted decoding with
+crops) makes a GrowingCache
 and gives the tokens and scores of an explicit DynamicCache bit for bit (every causal family of the sweep: a
 GrowingCache unless it has sliding-window layers); a given cache and a
 ``cache_implementation`` are kept; a sliding-window family, an encoder-decoder and an unpatched model keep
@@ -53,6 +54,23 @@ def test_a_patched_generate_makes_a_growing_cache_with_dynamic_caches_results(at
     beams = generate(model, None, num_beams=2)
     assert type(beams.cache) is GrowingCache
     assert torch.equal(beams.sequences, generate(model, DynamicCache(), num_beams=2).sequences)
+
+
+@needs_kernel
+def test_assisted_decoding_on_the_default_caches_crops_and_equals_greedy(monkeypatch):
+    """Both the model and a patched assistant decode on their default GrowingCache, cropped where drafts fail."""
+    from hf_sparsemax.attention.growing_cache import GrowingLayer
+
+    model, assistant = tiny_llama("entmax15"), tiny_llama("sparsemax", seed=3)
+    crops = []
+    monkeypatch.setattr(GrowingLayer, "crop", lambda self, n, crop=GrowingLayer.crop: (crops.append(n), crop(self, n)))
+    ids = prompt(batch=1)
+    with torch.no_grad():
+        want = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=DynamicCache())
+        got = model.generate(**ids, max_new_tokens=12, do_sample=False, assistant_model=assistant,
+                             return_dict_in_generate=True)
+    assert type(got.cache) is GrowingCache
+    assert torch.equal(got.sequences, want) and any(n < 0 for n in crops)
 
 
 def test_a_given_cache_or_implementation_is_kept():
