@@ -2,9 +2,8 @@
 static cache's decoding steps over its filled slots only (:func:`hf_sparsemax.attention.pages.filled_part`).
 
 Checked: with no cache given, a sparse-attention model's ``generate`` (greedy, beam search, assisted decoding with
-crops) makes a GrowingCache
-and gives the tokens and scores of an explicit DynamicCache bit for bit (every causal family of the sweep: a
-GrowingCache unless it has sliding-window layers); a given cache and a
+crops) makes a GrowingCache and gives the tokens and scores of an explicit DynamicCache bit for bit (every causal
+family of the sweep: a GrowingCache unless it has sliding-window layers); a given cache and a
 ``cache_implementation`` are kept; a sliding-window family, an encoder-decoder and an unpatched model keep
 transformers' cache; a saved and reloaded model makes it again. With a StaticCache, greedy ``generate`` gives
 DynamicCache's tokens and scores bit for bit while every decoding step reads only the filled slots; a mask that
