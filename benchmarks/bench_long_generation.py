@@ -1,9 +1,12 @@
-r"""Long generation on SmolLM2-135M: sdpa and a sparse attention, on transformers' DynamicCache and on the
-library's GrowingCache, alternating in one process (issue 55).
+r"""Long generation on SmolLM2-135M: sdpa and a sparse attention, on transformers' DynamicCache and StaticCache and
+on the library's GrowingCache, alternating in one process (issue 55).
 
 One prefill of ``--context`` tokens of fortunes text (the pretrained SmolLM2-135M-Instruct, float32, sdpa) fills a
 ``DynamicCache``; every variant decodes from its own copy of it (a GrowingCache gets the same keys and values,
-filled to their length: its first step reallocates, as after a prefill in ``generate``). Then ``--tokens``
+filled to their length: its first step reallocates, as after a prefill in ``generate``; a StaticCache of
+``--context + --static-room`` slots gets them in its first slots, as ``generate(cache_implementation="static")``
+makes one for ``max_new_tokens=--static-room``; ``--static-every-slot`` adds the sparse models on a StaticCache
+with the cut to the filled slots switched off, :func:`hf_sparsemax.attention.pages.filled_part`). Then ``--tokens``
 rounds: each round times one greedy decoding step of every variant, in alternating order, CPU time on one thread.
 The sparse models decode from the softmax model's cache (one prefill, not one a model: the keys are those of the
 softmax model it was converted from). Printed per variant: the median and mean ms a token, the ratio to sdpa +
@@ -13,7 +16,7 @@ codes where the attention keeps them) against the keys and values it caches (plu
 after the last step and at worst over the steps.
 
     PYTHONPATH=. python benchmarks/bench_long_generation.py --context 8192 --tokens 8 --attn entmax15 \
-        --growth 2 1.05
+        --growth 2 1.05 --static-room 4096 --static-every-slot
 """
 
 from __future__ import annotations
@@ -44,11 +47,16 @@ def code_bytes(cache) -> tuple[int, int]:
 
 
 def cache_bytes(cache) -> tuple[int, int]:
-    """``(bytes the cache holds, bytes of the keys and values it caches)``, codes included in both."""
+    """``(bytes the cache holds, bytes of the keys and values it caches)``, codes included in both (a static
+    cache holds all its slots and caches its filled ones)."""
+    from hf_sparsemax.attention.pages import filled
+
     if hasattr(cache, "nbytes"):
         held, cached = cache.nbytes()
     else:
-        held = cached = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        tensors = [(t, filled(layer)) for layer in cache.layers for t in (layer.keys, layer.values)]
+        held = sum(t.numel() * t.element_size() for t, _ in tensors)
+        cached = sum(t[:, :, :length].numel() * t.element_size() for t, length in tensors)
     extra_held, extra_cached = code_bytes(cache)
     return held + extra_held, cached + extra_cached
 
@@ -59,12 +67,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="decoding steps (rounds)")
     parser.add_argument("--attn", nargs="+", default=["entmax15"], help="the sparse attentions (one model each)")
     parser.add_argument("--growth", nargs="+", type=float, default=[2.0], help="GrowingCache growth factors")
+    parser.add_argument("--static-room", type=int, default=0,
+                        help="slots of a StaticCache beyond the context (0: no StaticCache variants)")
+    parser.add_argument("--static-every-slot", action="store_true",
+                        help="also the sparse models on a StaticCache reading every slot (no cut to the filled ones)")
     parser.add_argument("--prefill-threads", type=int, default=2)
     args = parser.parse_args()
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
-    from hf_sparsemax.attention import keycodes, pages
-    from transformers import DynamicCache
+    from hf_sparsemax.attention import interface, keycodes, pages
+    from transformers import DynamicCache, StaticCache
 
     os.environ[pages.ENVIRONMENT] = "1"
     base, tokenizer = load_smollm2(dtype=torch.float32)
@@ -86,7 +98,15 @@ def main() -> None:
                 for index, layer in enumerate(prefilled.layers):
                     grown.update(layer.keys, layer.values, index)
                 state[f"{name} + GrowingCache x{growth:g}"] = [models[name], grown, first]
+            kinds = ["StaticCache"] + (["StaticCache, every slot read"] if args.static_every_slot and name != "sdpa"
+                                       else [])
+            for kind in kinds if args.static_room else []:
+                static = StaticCache(config=base.config, max_cache_len=args.context + args.static_room)
+                for index, layer in enumerate(prefilled.layers):
+                    static.update(layer.keys, layer.values, index)
+                state[f"{name} + {kind}"] = [models[name], static, first]
         del prefilled
+        every_slot = lambda layer, key, value, mask: (key, value, mask)  # noqa: E731 (the cut switched off)
         names = list(state)
         times = {name: [] for name in names}
         never = {name: [0, 0] for name in names}
@@ -96,9 +116,11 @@ def main() -> None:
             for name in names if round_ % 2 == 0 else names[::-1]:
                 model, cache, token = state[name]
                 keycodes.reset_counts()
+                interface.filled_part = every_slot if name.endswith("every slot read") else pages.filled_part
                 start = time.process_time()
                 out = model(input_ids=token, past_key_values=cache)
                 times[name].append(time.process_time() - start)
+                interface.filled_part = pages.filled_part
                 state[name][2] = out.logits[:, -1].argmax(-1, keepdim=True)
                 never[name][0] += keycodes.COUNTS["certified"]
                 never[name][1] += keycodes.COUNTS["keys"]

@@ -20,6 +20,13 @@ crop are written again by later steps (a view taken before the crop sees those w
 never do). Anything else that replaces ``keys`` / ``values`` (``batch_select_indices``,
 ``batch_repeat_interleave``, an offload) leaves tensors that are not views of the buffers: the next ``update``
 takes them into new buffers.
+
+On by default for a model whose attention ``patch_model`` made sparse: :func:`prepare_cache_for_generation`
+(installed on the model by the attention swap) lets transformers make ``generate``'s cache, then replaces a new
+``DynamicCache`` of plain ``DynamicLayer`` s (no sliding window, chunked or linear-attention layer, no offloading,
+not an encoder-decoder's) by a ``GrowingCache(GENERATE_GROWTH)``: the same keys and values to the model, so the
+same tokens and scores. A cache given to ``generate`` and any ``cache_implementation`` (``"dynamic"`` included)
+are left as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ import math
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .._model import remove_instance_method, set_instance_method
+
 ROUND = 64  # keys: capacities are multiples of it (a page of :mod:`.pages`)
+GENERATE_GROWTH = 1.04  # growth of the cache generate makes for a patched model: at most ~5% more than its keys
+HOOK_TAG = "hf_sparsemax_growing_cache"  # marks the instance method :func:`prepare_cache_for_generation`
 
 
 def check_growth(growth) -> float:
@@ -145,3 +156,38 @@ class GrowingCache(Cache):
         """``(bytes held by the buffers, bytes of the keys and values they hold)`` over the layers."""
         counts = [layer.nbytes() for layer in self.layers]
         return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+def replaceable(model, generation_config, cache) -> bool:
+    """Whether ``cache``, the one transformers' ``generate`` just made for ``model`` (none given), is a plain
+    ``DynamicCache`` a :class:`GrowingCache` is exact for: every layer a ``DynamicLayer`` (made lazily or from the
+    config), not offloaded, no ``cache_implementation`` asked for, not an encoder-decoder."""
+    from transformers.cache_utils import DynamicCache
+
+    return (type(cache) is DynamicCache and generation_config.cache_implementation is None
+            and not getattr(cache, "offloading", False) and not model.config.is_encoder_decoder
+            and getattr(cache, "layer_class_to_replicate", None) in (None, DynamicLayer)
+            and all(type(layer) is DynamicLayer for layer in cache.layers))
+
+
+def prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+    """A patched model's ``_prepare_cache_for_generation`` (an instance method, module docstring): transformers'
+    own, then its new ``DynamicCache`` replaced by a ``GrowingCache`` where :func:`replaceable` says so."""
+    given = model_kwargs.get("cache") is not None
+    result = type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+    if not given and replaceable(self, generation_config, model_kwargs.get("cache")):
+        cache = model_kwargs["cache"] = GrowingCache(GENERATE_GROWTH)
+        if generation_config.is_assistant:  # as transformers does for its own (crops come back to this cache)
+            cache.activate_past_recording()
+    return result
+
+
+def install_default(model) -> None:
+    """Make ``generate`` of ``model`` (a transformers model) use a GrowingCache where it would make a plain
+    DynamicCache (undone by :func:`remove_default`)."""
+    if hasattr(type(model), "_prepare_cache_for_generation"):
+        set_instance_method(model, "_prepare_cache_for_generation", prepare_cache_for_generation, HOOK_TAG)
+
+
+def remove_default(model) -> None:
+    remove_instance_method(model, "_prepare_cache_for_generation", HOOK_TAG)

@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import block_queries, causal_mask, threshold_attention, work_operands
-from .pages import page_summary, take_layer
+from .pages import filled_part, page_summary, take_layer
 from .decode import decode_attention, decoding_step
 from .query_scale import check_temperatures, scale_queries, submodule
 from .routing import KERNELS, triton_route, wanted
@@ -302,9 +302,10 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
         sinks=s_aux, mapping=mapping)
     step = blocked is not None and (chunk is None or q_len <= chunk)
     if step and decoding_step(query, key, blocked["alpha"], causal):
+        summary = page_summary(layer, key, value, attention_mask)  # tracks the layer's own keys: before the cut
+        key, value, attention_mask = filled_part(layer, key, value, attention_mask)  # a static cache's unwritten slots
         out = decode_attention(query, key, value, attention_mask, scaling=scaling, alpha=blocked["alpha"],
-                               fixed_alpha=blocked["fixed_alpha"], threshold=blocked["threshold"],
-                               pages=page_summary(layer, key, value, attention_mask))
+                               fixed_alpha=blocked["fixed_alpha"], threshold=blocked["threshold"], pages=summary)
         return out, None
     if blocked is not None:
         out = threshold_attention(query, key, value, attention_mask, causal=causal, scaling=scaling,

@@ -114,13 +114,15 @@ class PageSummary:
         return self
 
     def update(self, key: torch.Tensor, length: int) -> "PageSummary":
-        """Summarise the full pages of ``key[..., :length, :]`` not summarised yet."""
+        """Summarise the full pages of ``key[..., :length, :]`` not summarised yet (``key``: the keys
+        :meth:`track` recorded, or a view of their first ``length``, as :func:`filled_part` cuts them)."""
         pages = length // PAGE
         if pages > self.pages:
             new = key[:, :, self.pages * PAGE : pages * PAGE].unflatten(2, (pages - self.pages, PAGE))
             self.mins = torch.cat([self.mins, new.amin(3)], dim=2)
             self.maxs = torch.cat([self.maxs, new.amax(3)], dim=2)
-        return self.track(key, length)
+        self.length = length
+        return self
 
     def reorder(self, index: torch.Tensor) -> None:
         """Take batch rows ``index`` (a beam search's reorder), codes included."""
@@ -212,6 +214,24 @@ def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[P
     return summary.track(key, length), length
 
 
+def filled_part(layer, key: torch.Tensor, value: torch.Tensor, mask):
+    """``(key, value, mask)`` of a decoding call without the cache slots not written yet, where ``mask`` (additive
+    or boolean, over ``key``'s slots) masks every one of them for every query row: a static cache's step then costs
+    its filled length, not its size. The slots cut weigh exactly 0 in every mapping, so the output is the one over
+    the filled keys alone (a ``DynamicCache``'s). Anything else (no layer, not this layer's keys, no mask, a slot
+    past the filled length the mask lets some row see) is returned as it is."""
+    if layer is None or mask is None or layer.keys is not key or mask.shape[-1] != key.shape[-2]:
+        return key, value, mask
+    length = filled(layer)
+    if not 0 < length < key.shape[-2]:
+        return key, value, mask
+    rest = mask[..., length:]
+    unseen = not bool(rest.any()) if rest.dtype == torch.bool else bool((rest <= masked_below(rest.dtype)).all())
+    if not unseen:
+        return key, value, mask
+    return key[:, :, :length], value[:, :, :length], mask[..., :length]
+
+
 def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float) -> torch.Tensor:
     """``U [B, Hkv, G q, pages]``: an upper bound of every (masked) score of each page, for each query row
     (``query [B, Hkv, G, q, D]``; ``mask`` additive ``[B | 1, Hkv | 1, G | 1, q, kv]`` or None)."""
@@ -243,7 +263,7 @@ def gather_pages(problem, pages: torch.Tensor, full: int, length: int, valid: to
             valid = torch.cat([valid, valid.new_ones(tail.shape)], dim=-1)
     starts = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1) * key.shape[-2]
     index = (positions + starts).flatten()
-    keys = key.reshape(-1, dim).index_select(0, index).view(batch, kv_heads, -1, dim).to(query.dtype)  # half: exact
+    keys = take_rows(key, index).view(batch, kv_heads, -1, dim).to(query.dtype)  # half: exact
     q = query.reshape(batch, kv_heads, groups * rows, dim)
     scores = torch.matmul(q, keys.transpose(-1, -2))
     if mask is not None:
@@ -300,6 +320,22 @@ def skipping_attention(problem, summary: PageSummary, length: int, row_alpha, mi
     return weighted_values(p.view(scores.shape), problem.value, index)
 
 
+def take_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor.reshape(-1, D).index_select(0, index)`` for ``tensor [B, H, n, D]``, without copying a tensor whose
+    rows are contiguous and heads evenly strided (a cache's filled part: a growing cache's views, a static cache's
+    first slots) as ``reshape`` would: the rows are read from the buffer it views."""
+    batch, heads, length, dim = tensor.shape
+    room = tensor.stride(1) // dim if dim else 0  # rows from one head's first to the next's
+    viewed = (tensor.stride(3) == 1 and tensor.stride(2) == dim and tensor.stride(1) == room * dim
+              and tensor.stride(0) == heads * room * dim and length <= room
+              and tensor.storage_offset() + batch * heads * room * dim
+              <= tensor.untyped_storage().nbytes() // tensor.element_size())
+    if not viewed or room == length:
+        return tensor.reshape(-1, dim).index_select(0, index)
+    rows = tensor.as_strided((batch * heads * room, dim), (dim, 1))
+    return rows.index_select(0, index + torch.div(index, length, rounding_mode="floor") * (room - length))
+
+
 def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """``p V`` (``p [B, Hkv, G q, m]``) over the rows of ``V`` some weight of their kv head is nonzero on, in ``p``'s
     dtype.
@@ -327,5 +363,5 @@ def weighted_values(p: torch.Tensor, value: torch.Tensor, index: torch.Tensor | 
         chosen = live.to(torch.uint8).topk(most, dim=-1, sorted=False).indices  # [B, Hkv, most]
         p = p.gather(-1, chosen.unsqueeze(2).expand(batch, kv_heads, rows, most))
         index = index.view(batch, kv_heads, keys).gather(-1, chosen)
-    values = value.reshape(-1, dim).index_select(0, index.flatten()).view(batch, kv_heads, -1, dim)
+    values = take_rows(value, index.flatten()).view(batch, kv_heads, -1, dim)
     return torch.matmul(p, values.to(p.dtype))

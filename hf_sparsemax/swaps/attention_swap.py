@@ -5,7 +5,9 @@ on import (:mod:`hf_sparsemax.attention`); the swap sets the implementation
 with ``model.set_attn_implementation`` and hangs the options (and, with
 ``learn_alpha``, a :class:`~hf_sparsemax.attention.LearnedAlpha` per module;
 with ``temperature`` / ``length_scale``, a :class:`~hf_sparsemax.attention.query_scale.HeadTemperature` /
-:class:`~hf_sparsemax.attention.query_scale.LengthScale`) on each attention module. Removing it gives back the
+:class:`~hf_sparsemax.attention.query_scale.LengthScale`) on each attention module. ``generate``'s own cache then
+becomes a :class:`~hf_sparsemax.GrowingCache` where that is exact
+(:func:`~hf_sparsemax.attention.growing_cache.prepare_cache_for_generation`). Removing it gives back the
 implementation the model had.
 """
 
@@ -24,7 +26,7 @@ from ..attention.families import check_supported
 from ..attention.interface import num_heads
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale
 from ..settings import SparseSettings
-from ..attention import pages
+from ..attention import growing_cache, pages
 from .protocol import PatchRequest
 
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
@@ -182,11 +184,13 @@ class AttentionSwap:
         for module, scales in zip(plan.modules, plan.scales or ()):
             scales.install(module, plan.options.learn_temperature)
         set_attention(inner, plan.options.mapping)
+        growing_cache.install_default(inner)  # generate's own cache appends without copying (where exact)
         if plan.load_saved:
             load_learned(inner)
 
     def remove(self, model) -> None:
         inner = base_model(model)
+        growing_cache.remove_default(inner)
         for module in inner.modules():
             vars(module).pop(OPTIONS_ATTR, None)
             pages.uninstall(module)
