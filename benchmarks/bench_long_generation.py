@@ -31,7 +31,7 @@ from bench_inference import prompt
 
 def code_bytes(cache) -> tuple[int, int]:
     """``(bytes of the int8 codes kept, D + 4 bytes a key they code)`` over the cache's layers."""
-    from hf_sparsemax.attention import pages
+    from hf_sparsemax.attention.blocked import pages
 
     held = coded = 0
     for layer in cache.layers:
@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
-    from hf_sparsemax.attention import keycodes, pages
+    from hf_sparsemax.attention.blocked import keycodes, pages
     from transformers import DynamicCache
 
     os.environ[pages.ENVIRONMENT] = "1"

@@ -24,7 +24,7 @@ from ..attention.families import check_supported
 from ..attention.interface import num_heads
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale
 from ..settings import SparseSettings
-from ..attention import pages
+from ..attention.blocked import pages
 from .protocol import PatchRequest
 
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped
