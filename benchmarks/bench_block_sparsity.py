@@ -6,7 +6,7 @@ patched with each sparse attention) on the offline fortunes corpus, at three gra
 
 - ``per-head 64 x 64``: a GPU kernel's tile (one head, 64 queries, 64 keys), what AdaSplash skips;
 - ``CPU block x 64``: one query block of the memory-bounded CPU path (every head of ``block_queries(...)`` queries,
-  as ``hf_sparsemax.attention.blocks`` runs them) against 64 keys;
+  as ``hf_sparsemax.attention.blocked.blocks`` runs them) against 64 keys;
 - ``keys no query of a CPU block weighs``: single keys of such a block, what ``attention_blocks`` skips.
 
 Keys and tiles wholly in the masked future are left out of the counts (every path skips those already); ``zeros`` is the
@@ -29,9 +29,9 @@ import torch
 from common import interleaved_medians
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
 from hf_sparsemax.app.assets import fortunes, load_smollm2
-from hf_sparsemax.attention.blocks import block_queries
+from hf_sparsemax.attention.blocked.blocks import block_queries
 
 TILE = 64
 ATTENTIONS = {"sparsemax": ("sparsemax", {}), "entmax15": ("entmax15", {}),

@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--capture", default=CAPTURE)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from hf_sparsemax.attention import fused, keycodes
-    from hf_sparsemax.attention.blocks import grouped
+    from hf_sparsemax.attention.cpu import fused
+    from hf_sparsemax.attention.blocked import keycodes
+    from hf_sparsemax.attention.blocked.blocks import grouped
 
     data = torch.load(args.capture)
     scaling = float(data["scaling"])

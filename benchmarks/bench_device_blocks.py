@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks
+from hf_sparsemax.attention.blocked import blocks
 
 CONFIG = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,

@@ -22,7 +22,7 @@ config and say so: its attention scores are near uniform, so supports are wide a
 pessimistic case for the sparse kernels). Text tokens come from the capture file.
 
 Contenders: ``sdpa`` (flash backend, ``enable_gqa``, else repeated kv; in the model sections the model's own sdpa);
-``triton`` (``hf_sparsemax.attention.triton_attention``; in the model sections ``attn_options={"kernel": "triton"}``);
+``triton`` (``hf_sparsemax.attention.gpu.triton_attention``; in the model sections ``attn_options={"kernel": "triton"}``);
 ``torch`` (today's path: ``sparse_attention_forward``, the function the patched model calls; ``"kernel": "torch"``
 where that option exists); AdaSplash-2 (``adasplash``, entmax15 causal only, where importable). A contender that
 cannot be imported or called prints "n/a" with the reason once below its table. Times: CUDA events, one warm-up
@@ -281,7 +281,7 @@ def per_head_alpha(heads: int, alpha: float) -> torch.Tensor:
 
 
 def triton_contender(mapping, heads):
-    from hf_sparsemax.attention.triton_attention import triton_attention
+    from hf_sparsemax.attention.gpu.triton_attention import triton_attention
 
     alpha = MAPPINGS[mapping][2]
     pre = per_head_alpha(heads, MAPPINGS[mapping][1]["alpha"]) if alpha == "learned" else None
@@ -342,7 +342,7 @@ def adasplash_contender(mapping, heads):
 
 
 def triton_decode_contender(mapping, heads):
-    from hf_sparsemax.attention.triton_decode import triton_decode
+    from hf_sparsemax.attention.gpu.triton_decode import triton_decode
 
     alpha = MAPPINGS[mapping][2]
     if alpha == "learned":

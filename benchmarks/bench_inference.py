@@ -16,9 +16,9 @@ left-padded, row ``i`` shorter by ``i * 8`` tokens):
 Targets (issue 37; ratios to sdpa, met / MISSED printed beside each):
 prefill <= 1.15x for sparsemax and entmax15, <= 1.5x for entmax_bisect(1.3) and a learned alpha (from 1.3);
 decode <= 1.05x / <= 1.2x. Where an attention skips KV pages (``pages skipped``: exact KV skipping of
-:mod:`hf_sparsemax.attention.pages`, from ``MIN_KEYS`` cached keys; ``HF_SPARSEMAX_KV_SKIP=0`` turns it off), the
+:mod:`hf_sparsemax.attention.blocked.pages`, from ``MIN_KEYS`` cached keys; ``HF_SPARSEMAX_KV_SKIP=0`` turns it off), the
 share of the pages of its decoding steps whose keys and values it never read; ``keys certified``: the share of
-the cached keys the fused kernel's int8 key certificate (:mod:`hf_sparsemax.attention.keycodes`) never read. From
+the cached keys the fused kernel's int8 key certificate (:mod:`hf_sparsemax.attention.blocked.keycodes`) never read. From
 8192 tokens the decode targets are issue 47's: <= 0.6x sdpa for sparsemax, <= 0.7x for entmax15.
 
     PYTHONPATH=. python benchmarks/bench_inference.py                       # 512 and 2048 tokens, batch 1
@@ -92,7 +92,7 @@ def measure(name: str, contexts: list[int], batches: list[int], prefills: int, t
     """The child process: prefill and decode milliseconds for each (context, batch) of one contender."""
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
-    from hf_sparsemax.attention import keycodes, pages
+    from hf_sparsemax.attention.blocked import keycodes, pages
 
     attention, options = CONTENDERS[name][:2]
     model, tokenizer = load_smollm2(dtype=getattr(torch, dtype))

@@ -80,7 +80,7 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
-    from hf_sparsemax.attention import blocks, keycodes, pages
+    from hf_sparsemax.attention.blocked import blocks, keycodes, pages
     from transformers import DynamicCache, StaticCache
 
     extra = {}

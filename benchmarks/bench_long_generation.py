@@ -6,7 +6,7 @@ One prefill of ``--context`` tokens of fortunes text (the pretrained SmolLM2-135
 filled to their length: its first step reallocates, as after a prefill in ``generate``; a StaticCache of
 ``--context + --static-room`` slots gets them in its first slots, as ``generate(cache_implementation="static")``
 makes one for ``max_new_tokens=--static-room``; ``--static-every-slot`` adds the sparse models on a StaticCache
-with the cut to the filled slots switched off, :func:`hf_sparsemax.attention.pages.filled_part`). Then ``--tokens``
+with the cut to the filled slots switched off, :func:`hf_sparsemax.attention.blocked.pages.filled_part`). Then ``--tokens``
 rounds: each round times one greedy decoding step of every variant, in alternating order, CPU time on one thread.
 The sparse models decode from the softmax model's cache (one prefill, not one a model: the keys are those of the
 softmax model it was converted from). Printed per variant: the median and mean ms a token, the ratio to sdpa +
@@ -34,7 +34,7 @@ from bench_inference import prompt
 
 def code_bytes(cache) -> tuple[int, int]:
     """``(bytes of the int8 codes kept, D + 4 bytes a key they code)`` over the cache's layers."""
-    from hf_sparsemax.attention import pages
+    from hf_sparsemax.attention.blocked import pages
 
     held = coded = 0
     for layer in cache.layers:
@@ -49,7 +49,7 @@ def code_bytes(cache) -> tuple[int, int]:
 def cache_bytes(cache) -> tuple[int, int]:
     """``(bytes the cache holds, bytes of the keys and values it caches)``, codes included in both (a static
     cache holds all its slots and caches its filled ones)."""
-    from hf_sparsemax.attention.pages import filled
+    from hf_sparsemax.attention.blocked.pages import filled
 
     if hasattr(cache, "nbytes"):
         held, cached = cache.nbytes()
@@ -75,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
-    from hf_sparsemax.attention import interface, keycodes, pages
+    from hf_sparsemax.attention import interface
+    from hf_sparsemax.attention.blocked import keycodes, pages
     from transformers import DynamicCache, StaticCache
 
     os.environ[pages.ENVIRONMENT] = "1"

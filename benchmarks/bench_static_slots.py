@@ -1,5 +1,5 @@
 r"""One sparse attention layer's decoding step over a StaticCache with unwritten slots: the step cut to the filled
-slots (:func:`hf_sparsemax.attention.pages.filled_part`, the library's path), the same step reading every slot
+slots (:func:`hf_sparsemax.attention.blocked.pages.filled_part`, the library's path), the same step reading every slot
 (the cut switched off), and a DynamicCache holding the same keys, alternating in one process (issue 55).
 
 SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head size 64), random keys and queries, float32, one
@@ -28,7 +28,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import DynamicCache, LlamaConfig, StaticCache
 
-    from hf_sparsemax.attention import interface, pages
+    from hf_sparsemax.attention import interface
+    from hf_sparsemax.attention.blocked import pages
     from hf_sparsemax.attention.interface import AttentionOptions, OPTIONS_ATTR, sparse_attention_forward
 
     heads, kv_heads, dim = 9, 3, 64

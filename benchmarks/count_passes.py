@@ -1,6 +1,6 @@
 """Passes over the keys of the Triton forward's threshold search, counted in torch on real-text scores (no GPU).
 
-The same per-row arithmetic as :func:`hf_sparsemax.attention._triton_kernels.attention_forward`, in float32 on the
+The same per-row arithmetic as :func:`hf_sparsemax.attention.gpu._triton_kernels.attention_forward`, in float32 on the
 materialised causal scores of the captured SmolLM2 queries / keys (``benchmarks/capture_qk.py``; a prefix of a
 causal model's q / k is what the shorter text gives), one head at a time, blocks of ``--block`` query rows and
 key tiles of ``--block`` keys (the GPU's 64 x 64):
@@ -37,7 +37,7 @@ if "--kernel-check" in sys.argv:  # before anything imports triton
 
 import torch
 
-from hf_sparsemax.attention.triton_attention import HIST_BINS, HIST_ITER, MAX_PASSES, SPECULATE, TOLERANCE
+from hf_sparsemax.attention.gpu.triton_attention import HIST_BINS, HIST_ITER, MAX_PASSES, SPECULATE, TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTURE = os.path.join(ROOT, ".bench_data", "smollm2_qkv.pt")
@@ -182,7 +182,7 @@ def count(query, key, alpha: float, block: int, scaling: float) -> dict:
 def kernel_check(query, key, tokens: int, scaling: float, alphas) -> None:
     """Rows certified by threshold pass k: the kernel (rows finite with ``MAX_PASSES = k``) against the torch
     simulation, on the first ``tokens`` tokens of every head."""
-    from hf_sparsemax.attention import triton_attention as ta
+    from hf_sparsemax.attention.gpu import triton_attention as ta
 
     q, k = query[:, :tokens].float(), key[:, :tokens].float()
     groups = q.shape[0] // k.shape[0]

@@ -1,4 +1,4 @@
-"""Smoke test and timing of the Triton decoding kernel on a GPU (hf_sparsemax/attention/triton_decode.py).
+"""Smoke test and timing of the Triton decoding kernel on a GPU (hf_sparsemax/attention/gpu/triton_decode.py).
 
 One query row per sequence against a bfloat16 cache of random keys, SmolLM2-135M's heads (9 query / 3 kv, d 64)
 and a Llama-3-8B layer's (32 / 8, d 128), 2k and 8k cached keys, batch 1 and 8 (batch 8 left-padded: a boolean
@@ -26,8 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hf_sparsemax as hs  # noqa: E402
-from hf_sparsemax.attention.decode import decode_attention  # noqa: E402
-from hf_sparsemax.attention.triton_decode import triton_decode  # noqa: E402
+from hf_sparsemax.attention.blocked.decode import decode_attention  # noqa: E402
+from hf_sparsemax.attention.gpu.triton_decode import triton_decode  # noqa: E402
 from hf_sparsemax.mappings import registry  # noqa: E402
 
 MODELS = {"SmolLM2 (9/3, d64)": (9, 3, 64), "Llama-8B layer (32/8, d128)": (32, 8, 128)}

@@ -32,7 +32,7 @@ if TINY and not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_sparsemax.attention import triton_attention as ta  # noqa: E402
+from hf_sparsemax.attention.gpu import triton_attention as ta  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max abs error / max abs value, outputs and gradients

@@ -40,7 +40,7 @@ from .decoding import (
 from .patch import compute_loss_func, patch_model, unpatch_model
 from .swaps.calibration import calibrate_attention
 from .attention.query_scale import HeadTemperature, LengthScale, query_scale_parameters
-from .attention.growing_cache import GrowingCache
+from .attention.blocked.growing_cache import GrowingCache
 from .integrations.reload import install_load_hook
 from .integrations.vllm import vllm_generation_kwargs
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, perturb_max, sparse_softmax, sparsemax

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
 from hf_sparsemax.mappings import compiled
 from hf_sparsemax.attention.interface import ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions, LearnedAlpha, sparse_attention_forward
 

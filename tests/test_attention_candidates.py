@@ -9,7 +9,7 @@ a learned alpha, with every block compacted; and that compaction happens on inpu
 import pytest
 import torch
 
-from hf_sparsemax.attention import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import B, H, L, SETUPS, inputs, masks, materialised, module_for, small_blocks
 

@@ -1,4 +1,4 @@
-"""The fused kernel (hf_sparsemax/attention/fused.c): decoding in one pass over the cache, and a prefill's blocks;
+"""The fused kernel (hf_sparsemax/attention/cpu/fused.c): decoding in one pass over the cache, and a prefill's blocks;
 exact thresholds.
 
 Checked against the materialised mapping in float64 on the same inputs, with the value rows the identity so that
@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
-from hf_sparsemax.attention import decode
-from hf_sparsemax.attention import fused as kernel
-from hf_sparsemax.attention import kernel_build
-from hf_sparsemax.attention.blocks import grouped
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import decode
+from hf_sparsemax.attention.cpu import fused as kernel
+from hf_sparsemax.attention.cpu import kernel_build
+from hf_sparsemax.attention.blocked.blocks import grouped
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import L, SETUPS, masks, module_for, small_blocks
 from test_attention_inference import B, H, H_KV, KV, decode_masks

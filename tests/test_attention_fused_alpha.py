@@ -1,4 +1,4 @@
-"""The fused kernel's prefill blocks (:func:`hf_sparsemax.attention.fused.block_rows`) for every alpha in (1, 2]:
+"""The fused kernel's prefill blocks (:func:`hf_sparsemax.attention.cpu.fused.block_rows`) for every alpha in (1, 2]:
 a fixed alpha (entmax_bisect) and a learned alpha per head, solved by Newton's method on each row's candidates.
 
 Checked against the materialised mapping in float64 (``V = I``: the output rows are the weights, with the same
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
-from hf_sparsemax.attention import fused as kernel
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
+from hf_sparsemax.attention.cpu import fused as kernel
 from hf_sparsemax.attention.interface import OPTIONS_ATTR, AttentionOptions, sparse_attention_forward
 from test_attention_blocks import H, H_KV, module_for, small_blocks
 from test_attention_kernel_safety import python_tau

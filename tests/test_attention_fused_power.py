@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import fused as kernel
+from hf_sparsemax.attention.cpu import fused as kernel
 from test_attention_fused_alpha import MIN, assert_same_weights, float64_weights
 from test_attention_kernel_safety import c_tau, hard_rows, python_tau
 

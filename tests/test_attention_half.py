@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
 from hf_sparsemax.attention import interface
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import B, H, H_KV, L, SETUPS, inputs, masks, materialised, module_for, small_blocks

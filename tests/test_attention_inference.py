@@ -1,6 +1,6 @@
 """Attention without autograd: the decoding path (a few query rows against a cache) and the no-grad prefill.
 
-The decoding path (:mod:`hf_sparsemax.attention.decode`) is checked against the materialised formula on the
+The decoding path (:mod:`hf_sparsemax.attention.blocked.decode`) is checked against the materialised formula on the
 library's eager solvers, across the threshold mappings (a learned per-head alpha included), grouped-query heads,
 one and several query rows, and the masks a decoding step meets (none, left padding, a sliding window, per
 head, a query that sees nothing); rows the compiled passes do not certify send the call to the general path.
@@ -12,8 +12,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
-from hf_sparsemax.attention import decode, interface
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import decode
+from hf_sparsemax.attention import interface
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from hf_sparsemax.mappings import compiled
 from test_attention_blocks import SETUPS, gather_always, materialised, module_for, small_blocks

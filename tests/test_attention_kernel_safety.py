@@ -16,11 +16,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import blocks as attention_blocks
-from hf_sparsemax.attention import decode
-from hf_sparsemax.attention import fused as kernel
-from hf_sparsemax.attention import kernel_build
-from hf_sparsemax.attention.blocks import grouped
+from hf_sparsemax.attention.blocked import blocks as attention_blocks
+from hf_sparsemax.attention.blocked import decode
+from hf_sparsemax.attention.cpu import fused as kernel
+from hf_sparsemax.attention.cpu import kernel_build
+from hf_sparsemax.attention.blocked.blocks import grouped
 from hf_sparsemax.mappings import compiled, entmax
 from hf_sparsemax.mappings.entmax import bisect_solve, entmax15_solve
 from hf_sparsemax.mappings.sparsemax import sparsemax_solve
@@ -273,7 +273,7 @@ def test_the_certificates_codes_are_checked_before_the_kernel_reads_or_writes_th
     dtype, be contiguous and lie on the query's (the keys') device: else a ValueError naming it."""
     import copy
 
-    from hf_sparsemax.attention import keycodes
+    from hf_sparsemax.attention.blocked import keycodes
 
     problem = grouped_problem()
     codes = keycodes.KeyCodes(problem.key)

@@ -1,4 +1,4 @@
-"""The int8 key certificate in the fused decoding kernel (:mod:`hf_sparsemax.attention.keycodes`, ``fused.c``).
+"""The int8 key certificate in the fused decoding kernel (:mod:`hf_sparsemax.attention.blocked.keycodes`, ``fused.c``).
 
 A decoding step with the certificate reads only the keys whose int8 bound cannot exclude them, and hands the
 solver the full step's candidates with the full step's scores: its output must equal the full step's (the
@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_sparsemax.attention import fused, keycodes, pages
+from hf_sparsemax.attention.cpu import fused
+from hf_sparsemax.attention.blocked import keycodes, pages
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import SETUPS, materialised, module_for
 from test_attention_skipping import greedy_with_and_without_skipping
@@ -171,7 +172,7 @@ def assert_codes_as_written_afresh(codes, q, keys, values):
 
 
 def fused_problem(q, keys, values):
-    from hf_sparsemax.attention.blocks import grouped
+    from hf_sparsemax.attention.blocked.blocks import grouped
 
     return grouped(q, keys, values, None, False, 2.0, SCALING, None)
 
@@ -252,7 +253,7 @@ def test_a_key_whose_float32_score_overflows_is_read_as_the_full_step_reads_it()
     full step's float32 sum overflows (inf or NaN: a NaN row); the certificate dropped it and answered a finite
     row. Now a key whose float32 sum could overflow is read and scored exactly: the certified step (dense cache
     and paged cache) equals the full step bit for bit, NaN where NaN, and a masked huge key changes nothing."""
-    from hf_sparsemax.attention.blocks import grouped
+    from hf_sparsemax.attention.blocked.blocks import grouped
 
     q, k, v = inputs(1, 1, 64, seed=19)
     q = q.abs() + 0.5  # all positive: +-big entries cancel in q.k's true value, not in a float32 sum
@@ -320,8 +321,8 @@ def test_every_build_of_the_integer_products_gives_the_full_step(flags, tmp_path
     the full step bit for bit, over 1 to 9 query rows a kv head (the products take rows four at a time)."""
     import ctypes
 
-    from hf_sparsemax.attention import kernel_build
-    from hf_sparsemax.attention.blocks import grouped
+    from hf_sparsemax.attention.cpu import kernel_build
+    from hf_sparsemax.attention.blocked.blocks import grouped
 
     build_flags = tuple(f for f in kernel_build.FLAGS if not f.startswith("-march")) + flags
     path = kernel_build.compile_into(str(tmp_path), "products.so", kernel_build.compiler(), build_flags,

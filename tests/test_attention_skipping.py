@@ -1,4 +1,4 @@
-"""Exact KV skipping at decode time (:mod:`hf_sparsemax.attention.pages`): the output equals the full computation.
+"""Exact KV skipping at decode time (:mod:`hf_sparsemax.attention.blocked.pages`): the output equals the full computation.
 
 Keys are made of pages whose keys lie close together (a page's own centre plus small noise), so the page bounds are
 tight and the certificate skips most pages; every test checks that it did, and that the output equals the full
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from hf_sparsemax.attention import decode, pages
+from hf_sparsemax.attention.blocked import decode, pages
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import SETUPS, materialised, module_for
 
@@ -251,7 +251,7 @@ def greedy_with_and_without_skipping(attn: str, monkeypatch, prompt: int, tokens
 @pytest.mark.parametrize("setup", ["sparsemax", "learned"])
 def test_a_half_precision_cache_skips_exactly(setup, dtype):
     """A half model's cache: its page summary is kept in the cache's dtype, the step computes in float32
-    (:func:`~hf_sparsemax.attention.blocks.work_operands`); the output equals the full step's, pages skipped."""
+    (:func:`~hf_sparsemax.attention.blocked.blocks.work_operands`); the output equals the full step's, pages skipped."""
     keys = PAGE * 12 + 5
     q = (torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2).to(dtype)
     k, v = (t.to(dtype) for t in paged_keys(B, keys, seed=11))

@@ -1,4 +1,4 @@
-"""The Triton attention kernels (hf_sparsemax.attention.triton_attention) against the float64 materialised formula.
+"""The Triton attention kernels (hf_sparsemax.attention.gpu.triton_attention) against the float64 materialised formula.
 
 Without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before the kernels are first
 imported): small shapes, tiles of ``INTERPRET_BLOCK`` keys so that every call spans several tiles. With CUDA the
@@ -23,9 +23,9 @@ if not CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9
                        "from program_id (NumPy 2), and the test extra asks for triton>=3.9; install it")
 
 import hf_sparsemax as hs  # noqa: E402
-from hf_sparsemax.attention import triton_attention as ta  # noqa: E402
-from hf_sparsemax.attention import triton_decode as td  # noqa: E402
-from hf_sparsemax.attention.triton_attention import not_supported_reasons, triton_attention  # noqa: E402
+from hf_sparsemax.attention.gpu import triton_attention as ta  # noqa: E402
+from hf_sparsemax.attention.gpu import triton_decode as td  # noqa: E402
+from hf_sparsemax.attention.gpu.triton_attention import not_supported_reasons, triton_attention  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 

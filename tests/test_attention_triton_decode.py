@@ -1,9 +1,9 @@
-"""The Triton decoding kernel (hf_sparsemax/attention/triton_decode.py): exact thresholds against a cache.
+"""The Triton decoding kernel (hf_sparsemax/attention/gpu/triton_decode.py): exact thresholds against a cache.
 
 Without a GPU the kernels run under Triton's interpreter (set before triton is imported), so the shapes are small.
 Checked against the materialised mapping in float64 on the same inputs, with the value rows the identity where
 the weights themselves are compared (the same exact zeros, the weights to float32 rounding), and against the torch
-decoding path (:func:`hf_sparsemax.attention.decode.decode_attention`) on the same inputs: sparsemax, 1.5-entmax,
+decoding path (:func:`hf_sparsemax.attention.blocked.decode.decode_attention`) on the same inputs: sparsemax, 1.5-entmax,
 alpha 1.1 to 1.9 and per-head alphas, one and several query rows, grouped heads, every mask a decoding step meets
 (boolean and additive), half-precision caches and strided cache views, ties and flat rows, a single candidate,
 rows that see nothing, NaN, many candidates, several splits of the keys; and the refusals.
@@ -20,9 +20,9 @@ if not CUDA:
 pytest.importorskip("triton")
 
 import hf_sparsemax as hs  # noqa: E402
-from hf_sparsemax.attention import triton_decode as module  # noqa: E402
-from hf_sparsemax.attention.decode import decode_attention  # noqa: E402
-from hf_sparsemax.attention.triton_decode import triton_decode  # noqa: E402
+from hf_sparsemax.attention.gpu import triton_decode as module  # noqa: E402
+from hf_sparsemax.attention.blocked.decode import decode_attention  # noqa: E402
+from hf_sparsemax.attention.gpu.triton_decode import triton_decode  # noqa: E402
 from hf_sparsemax.mappings import registry  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -258,7 +258,7 @@ def test_the_routing_and_the_kernel_check_one_predicate():
     kernel refuses the routing leaves to the torch path ("auto": None) and ``triton_decode`` raises with the same
     reasons."""
     from hf_sparsemax.attention import routing
-    from hf_sparsemax.attention.triton_attention import not_supported_reasons
+    from hf_sparsemax.attention.gpu.triton_attention import not_supported_reasons
 
     q, k, v = (t.to(DEVICE) for t in inputs(1, identity=False))
     additive = mixed_mask(1)

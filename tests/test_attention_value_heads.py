@@ -22,12 +22,13 @@ import pytest  # noqa: E402
 from torch.autograd import gradcheck, gradgradcheck  # noqa: E402
 
 import hf_sparsemax as hs  # noqa: E402
-from hf_sparsemax.attention import blocks as attention_blocks  # noqa: E402
-from hf_sparsemax.attention import decode, routing  # noqa: E402
+from hf_sparsemax.attention.blocked import blocks as attention_blocks  # noqa: E402
+from hf_sparsemax.attention.blocked import decode  # noqa: E402
+from hf_sparsemax.attention import routing
 from hf_sparsemax.attention import interface  # noqa: E402
 from hf_sparsemax.attention.interface import (ALPHA_ATTR, OPTIONS_ATTR, AttentionOptions,  # noqa: E402
                                               LearnedAlpha, sparse_attention_forward)
-from hf_sparsemax.attention.triton_attention import not_supported_reasons  # noqa: E402
+from hf_sparsemax.attention.gpu.triton_attention import not_supported_reasons  # noqa: E402
 from hf_sparsemax.mappings import compiled  # noqa: E402
 from test_attention_blocks import Float64Alpha  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""The cache a patched model's ``generate`` decodes with (:mod:`hf_sparsemax.attention.growing_cache`), and a
-static cache's decoding steps over its filled slots only (:func:`hf_sparsemax.attention.pages.filled_part`).
+"""The cache a patched model's ``generate`` decodes with (:mod:`hf_sparsemax.attention.blocked.growing_cache`), and a
+static cache's decoding steps over its filled slots only (:func:`hf_sparsemax.attention.blocked.pages.filled_part`).
 
 Checked: with no cache given, a sparse-attention model's ``generate`` (greedy, beam search, assisted decoding with
 crops) makes a GrowingCache and gives the tokens and scores of an explicit DynamicCache bit for bit (every causal
@@ -17,8 +17,10 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import fused, growing_cache, interface, keycodes, pages
-from hf_sparsemax.attention.growing_cache import GrowingCache
+from hf_sparsemax.attention.cpu import fused
+from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
+from hf_sparsemax.attention import interface
+from hf_sparsemax.attention.blocked.growing_cache import GrowingCache
 from families import FAMILIES, batch, tiny_model
 from test_growing_cache import generate, prompt, tiny_llama
 
@@ -58,7 +60,7 @@ def test_a_patched_generate_makes_a_growing_cache_with_dynamic_caches_results(at
 @needs_kernel
 def test_assisted_decoding_on_the_default_caches_crops_and_equals_greedy(monkeypatch):
     """Both the model and a patched assistant decode on their default GrowingCache, cropped where drafts fail."""
-    from hf_sparsemax.attention.growing_cache import GrowingLayer
+    from hf_sparsemax.attention.blocked.growing_cache import GrowingLayer
 
     model, assistant = tiny_llama("entmax15"), tiny_llama("sparsemax", seed=3)
     crops = []

@@ -1,4 +1,4 @@
-"""hs.GrowingCache (:mod:`hf_sparsemax.attention.growing_cache`): appends in place into buffers grown
+"""hs.GrowingCache (:mod:`hf_sparsemax.attention.blocked.growing_cache`): appends in place into buffers grown
 geometrically, and is the same cache as transformers' DynamicCache to the model.
 
 Checked: greedy ``generate`` (sdpa and entmax15 with the int8 certificate from 64 keys) gives DynamicCache's
@@ -15,8 +15,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_sparsemax as hs
-from hf_sparsemax.attention import fused, growing_cache, keycodes, pages
-from hf_sparsemax.attention.growing_cache import GrowingCache, GrowingLayer
+from hf_sparsemax.attention.cpu import fused
+from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
+from hf_sparsemax.attention.blocked.growing_cache import GrowingCache, GrowingLayer
 from hf_sparsemax.attention.interface import sparse_attention_forward
 from test_attention_blocks import module_for
 from test_attention_keycodes import D, H, H_KV, SCALING, assert_codes_as_written_afresh, full_step, inputs

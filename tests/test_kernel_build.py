@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 from hf_sparsemax.app import cli
-from hf_sparsemax.attention import fused, kernel_build
+from hf_sparsemax.attention.cpu import fused, kernel_build
 
 pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the kernel is not built here")
 
@@ -185,7 +185,7 @@ def test_build_ahead_of_time_refuses_a_folder_others_can_write(cache, capsys):
 
 
 def test_python_dash_m_builds_the_kernel(cache):
-    done = subprocess.run([sys.executable, "-m", "hf_sparsemax.attention.fused"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "hf_sparsemax.attention.cpu.fused"], capture_output=True,
                           text=True, env={**os.environ, "HF_SPARSEMAX_CACHE": str(cache)}, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(".so") and built(cache)

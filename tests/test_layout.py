@@ -65,7 +65,7 @@ def test_named_recipes_work_from_a_built_wheel(tmp_path):
                    check=True, capture_output=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of any editable install of the checkout
     script = ("import hf_sparsemax, os; from hf_sparsemax.app.recipes import load_recipe; "
-              "from hf_sparsemax.attention import kernel_build; "
+              "from hf_sparsemax.attention.cpu import kernel_build; "
               "print(os.path.dirname(hf_sparsemax.__file__)); "
               "print(load_recipe('default').name, load_recipe('classify').name, os.path.exists(kernel_build.SOURCE))")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -143,7 +143,7 @@ LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 
 def part_of(module):
-    """``hf_sparsemax.attention.blocks`` -> ``attention``; ``hf_sparsemax.patch`` -> ``patch``."""
+    """``hf_sparsemax.attention.blocked.blocks`` -> ``attention``; ``hf_sparsemax.patch`` -> ``patch``."""
     return module.split(".")[1]
 
 
@@ -187,3 +187,38 @@ def test_each_folder_says_what_lives_there_and_what_it_may_import():
         if "__init__.py" in files and folder != PACKAGE:
             doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
             assert doc and len(doc.splitlines()) >= 2, folder
+
+
+# Inside attention/: one folder per backend, lowest first; the modules at attention/'s top (the interface, the
+# routing, the family check, the query scales) sit above them all.
+ATTENTION_LAYERS = ["cpu", "blocked", "gpu", None]
+
+
+def attention_layer(module):
+    """``hf_sparsemax.attention.cpu.fused`` -> 0; ``hf_sparsemax.attention.interface`` -> 3."""
+    parts = module.split(".")
+    folder = parts[2] if len(parts) > 3 else None
+    return ATTENTION_LAYERS.index(folder if folder in ATTENTION_LAYERS else None)
+
+
+def test_attention_backends_import_downward_only():
+    """cpu <- blocked <- gpu <- interface / routing / families: a backend never imports the one above it or the
+    interface (lazy imports included), so each folder can be read with the ones below it only."""
+    folder = os.path.join(PACKAGE, "attention")
+    backends = sorted(d for d in os.listdir(folder) if os.path.exists(os.path.join(folder, d, "__init__.py")))
+    assert backends == sorted(ATTENTION_LAYERS[:-1])
+    upward = {}
+    for root, dirs, files in os.walk(folder):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            name = module_name(os.path.join(root, f))
+            if name == "hf_sparsemax.attention":
+                continue
+            bad = sorted(m for m in imported_modules(os.path.join(root, f)) if m.startswith("hf_sparsemax.attention")
+                         and m != "hf_sparsemax.attention" and attention_layer(m) > attention_layer(name))
+            if bad:
+                upward[name] = bad
+    assert upward == {}
+    assert attention_layer("hf_sparsemax.attention.gpu.triton_decode") > attention_layer(
+        "hf_sparsemax.attention.blocked.decode") > attention_layer("hf_sparsemax.attention.cpu.fused")

@@ -284,7 +284,7 @@ def test_decoding_reads_the_paged_cache_in_place_by_the_fused_kernel(attn, optio
 
 
 def test_a_slot_outside_the_cache_is_refused():
-    from hf_sparsemax.attention import fused
+    from hf_sparsemax.attention.cpu import fused
 
     if not fused.available():
         pytest.skip("no C compiler")
@@ -304,7 +304,7 @@ LONG_STEPS = ({0: 1100, 1: 600, 2: 512}, {1: 446, 2: 548, 0: 1}, {0: 1, 1: 1, 2:
 def long_run(attention, dtype, skip, monkeypatch):
     """Each request's output rows over LONG_STEPS (cache blocks of 16 slots), with the certificate on or off
     (``HF_SPARSEMAX_KV_SKIP``), and the keys the certified steps never read (:data:`.keycodes.COUNTS`)."""
-    from hf_sparsemax.attention import keycodes
+    from hf_sparsemax.attention.blocked import keycodes
 
     monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "1" if skip else "0")
     keycodes.reset_counts()
@@ -331,7 +331,7 @@ def test_the_certificate_per_slot_skips_keys_and_changes_no_bit(attn, options, d
     bit, the same steps' with the certificate off (``HF_SPARSEMAX_KV_SKIP=0``, no codes kept), which equal
     transformers' attention of the whole sequences; grouped heads, a learned alpha per head, requests of different
     lengths, bfloat16 caches."""
-    from hf_sparsemax.attention import fused
+    from hf_sparsemax.attention.cpu import fused
 
     if not fused.available():
         pytest.skip("no C compiler")
@@ -354,8 +354,8 @@ def test_a_slot_reused_by_a_new_request_holds_the_new_keys_codes(monkeypatch):
     its certified decoding equals, bit for bit, a fresh cache's without the certificate. Its keys are the old
     keys negated, so the old codes would exclude its largest scores: with the codes left stale (writes skipped)
     the output changes."""
-    from hf_sparsemax.attention import fused
-    from hf_sparsemax.attention.keycodes import COUNTS, SlotCodes, reset_counts
+    from hf_sparsemax.attention.cpu import fused
+    from hf_sparsemax.attention.blocked.keycodes import COUNTS, SlotCodes, reset_counts
 
     if not fused.available():
         pytest.skip("no C compiler")
@@ -388,8 +388,8 @@ def test_keys_whose_slots_break_a_code_block_are_read(monkeypatch):
     """Cache blocks of 8 slots (half a code block) in shuffled order: a key is certified only where its code block's
     slots are consecutive from a multiple of 16 (the others are scored exactly), the output bit for bit the
     uncertified call's; codes made from every slot, then rewritten for some, as an engine writes them."""
-    from hf_sparsemax.attention import fused
-    from hf_sparsemax.attention.keycodes import SlotCodes
+    from hf_sparsemax.attention.cpu import fused
+    from hf_sparsemax.attention.blocked.keycodes import SlotCodes
 
     if not fused.available():
         pytest.skip("no C compiler")

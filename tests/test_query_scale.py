@@ -14,8 +14,8 @@ import transformers
 
 import hf_sparsemax as hs
 from families import batch, tiny_model
-from hf_sparsemax.attention import decode
-from hf_sparsemax.attention import fused as fused_kernel
+from hf_sparsemax.attention.blocked import decode
+from hf_sparsemax.attention.cpu import fused as fused_kernel
 from hf_sparsemax.attention.interface import OPTIONS_ATTR, AttentionOptions, sparse_attention_forward
 from hf_sparsemax.integrations import reload
 from hf_sparsemax.attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale

@@ -157,7 +157,7 @@ def test_long_prompts_decode_through_the_int8_certificate_as_transformers(folder
     process so that the certificate's counts can be read: most keys were never read."""
     from transformers import AutoTokenizer
 
-    from hf_sparsemax.attention import keycodes
+    from hf_sparsemax.attention.blocked import keycodes
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     folder = folders / "sparsemax"

@@ -47,7 +47,7 @@ def gguf_cache(folder: str, name: str) -> str:
     SmolLM2 on 2 CPU cores, once for the tokenizer and once for the model);
     the safetensors copy loads in a second or two. It lives under
     the library's cache folder (``$HF_SPARSEMAX_CACHE``, default ``~/.cache/hf_sparsemax``:
-    :func:`hf_sparsemax.attention.kernel_build.wanted_folder`, made private to the user), keyed by the
+    :func:`hf_sparsemax.attention.cpu.kernel_build.wanted_folder`, made private to the user), keyed by the
     file's path, size and modification time, and is written to a temporary
     folder first and renamed, so a crash never leaves a broken copy.
     """
@@ -57,7 +57,7 @@ def gguf_cache(folder: str, name: str) -> str:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..attention import kernel_build
+    from ..attention.cpu import kernel_build
 
     path = os.path.join(folder, name)
     stat = os.stat(path)

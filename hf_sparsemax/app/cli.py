@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve_cli(args)
         if args.command == "build-kernels":
-            from ..attention import fused
+            from ..attention.cpu import fused
 
             return fused.main([])
         return decoding_report_command(args)

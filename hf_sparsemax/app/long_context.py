@@ -15,7 +15,7 @@ For a trained model, on held-out text and a synthetic retrieval task:
 - ``attention_zero_share``: the share of the attention weights that are exactly 0 (every layer and head, the
   cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
   (:func:`hf_sparsemax.app.curves.measure`).
-- ``keys_never_read``: the share of cached keys the int8 certificate (:mod:`hf_sparsemax.attention.keycodes`)
+- ``keys_never_read``: the share of cached keys the int8 certificate (:mod:`hf_sparsemax.attention.blocked.keycodes`)
   proved weightless and never read, over the decoding steps at ``decode_context`` tokens (passkey answers and
   the timed steps); ``keys_never_read_by_context`` per passkey context. ``None`` where no step was certified
   (softmax attention, or a context under the certificate's first 1024 keys).
@@ -281,7 +281,7 @@ def greedy(model, prompt: list[int], steps: int, timed: int = 0) -> tuple[list[i
 
 def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
     """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring)."""
-    from ..attention import keycodes
+    from ..attention.blocked import keycodes
 
     model.eval()
     for context in spec.contexts:  # every context checked before any is run

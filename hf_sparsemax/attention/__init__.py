@@ -1,11 +1,12 @@
 """The attention swap point: sparse attention functions that transformers' ``AttentionInterface`` calls.
 
-:mod:`.interface`: the function registered under each attention name, its options, the learned per-head
-alpha and the family check; :mod:`.blocks`: the memory-bounded blocked path (threshold kept per row,
-probabilities recomputed in backward, keys no query weighs skipped); :mod:`.decode`: decoding steps without
-autograd (a few query rows against a KV cache); :mod:`.triton_attention` (kernels in ``_triton_kernels``, triton
-imported on first use): the same attention in Triton kernels for GPUs; :mod:`.routing`: the ``kernel`` option. Imports :mod:`hf_sparsemax.mappings`
-(and the root's ``_model``) only: never losses, decoding, swaps, integrations or the app.
+Above the backends: :mod:`.interface` the function registered under each attention name, its options and the
+learned per-head alpha; :mod:`.families` which model families it serves (decided at patch time); :mod:`.routing` the
+``kernel`` option; :mod:`.query_scale` learned temperatures and length scales. One folder per backend below them,
+each importing only downward: :mod:`.cpu` (the fused C kernel and its build), :mod:`.blocked` (the torch path:
+blocks, decoding steps, cache pages, key codes, the growing cache; calls the C kernel), :mod:`.gpu` (Triton
+kernels and launchers). Imports :mod:`hf_sparsemax.mappings` (and the root's ``_model``) only: never losses,
+decoding, swaps, integrations or the app.
 """
 
 from .interface import (

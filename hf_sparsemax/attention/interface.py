@@ -34,10 +34,10 @@ blocks whose weights ``[B, H, block, kv]`` hold at most
 queries a block, so past ~1800 keys a block holds ``B H 64 kv``), and ``chunk_size`` overrides the block size. The
 threshold mappings (sparsemax, entmax15, entmax_bisect) keep one threshold per
 query row for backward and recompute the weights from it
-(:mod:`hf_sparsemax.attention.blocks`); the others, and calls with softcapping,
+(:mod:`hf_sparsemax.attention.blocked.blocks`); the others, and calls with softcapping,
 a position bias, sinks or dropout, recompute each block of queries in backward
 (activation checkpointing). A decoding step (a few query rows, no gradient wanted) of a threshold mapping takes
-:mod:`hf_sparsemax.attention.decode` instead: one block, nothing kept. Weights are returned only where asked for
+:mod:`hf_sparsemax.attention.blocked.decode` instead: one block, nothing kept. Weights are returned only where asked for
 (``output_attentions``); under ``torch.compile`` the weights are materialised
 unless ``chunk_size`` is set.
 """
@@ -55,9 +55,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import block_queries, causal_mask, threshold_attention, work_operands
-from .pages import filled_part, page_summary, take_layer
-from .decode import decode_attention, decoding_step
+from .blocked.blocks import block_queries, causal_mask, threshold_attention, work_operands
+from .blocked.pages import filled_part, page_summary, take_layer
+from .blocked.decode import decode_attention, decoding_step
 from .query_scale import check_temperatures, scale_queries, submodule
 from .routing import KERNELS, triton_route, wanted
 from ..mappings import registry

@@ -21,7 +21,7 @@ def decode_kernel():
     """The kernel of decoding calls: ``triton_decode`` (split over the keys) where its module is present, else
     :func:`.triton_attention.triton_attention` (exact too, one program a block of query rows)."""
     try:
-        from .triton_decode import triton_decode
+        from .gpu.triton_decode import triton_decode
     except ImportError:
         return None
     return triton_decode
@@ -37,7 +37,7 @@ def triton_route(module, query, key, value, mask, *, kernel: str, mapping: str, 
     """The output ``[B, H, q, Dv]`` from the Triton kernels, or None where ``kernel="auto"`` finds the call not
     served (the caller then takes the torch path). ``options``: the module's mapping options (None: defaults);
     ``learned``: its ``LearnedAlpha`` or None."""
-    from .triton_attention import not_supported_reasons, triton_attention
+    from .gpu.triton_attention import not_supported_reasons, triton_attention
 
     entry = registry.REGISTRY[mapping]
     alpha = 1.5

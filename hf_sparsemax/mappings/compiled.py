@@ -40,7 +40,7 @@ MIN_ELEMENTS = 1 << 16  # rows x keys below this: the eager solver (tiny blocks:
 BACKEND = "inductor"
 ENVIRONMENT = "HF_SPARSEMAX_COMPILED_SOLVER"
 # candidates of a row: z = (alpha - 1)(s - max s) > -CANDIDATE_MARGIN (tau >= -1; 1% for rounding); a constant, so
-# the compiled graph holds it, and the fused CPU kernel's candidates (attention/fused.c) take it from here
+# the compiled graph holds it, and the fused CPU kernel's candidates (attention/cpu/fused.c) take it from here
 CANDIDATE_MARGIN = 1.01
 _failed: list[str] = []  # the first compile error, once compiling failed in this process
 

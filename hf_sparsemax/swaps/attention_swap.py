@@ -7,7 +7,7 @@ with ``model.set_attn_implementation`` and hangs the options (and, with
 with ``temperature`` / ``length_scale``, a :class:`~hf_sparsemax.attention.query_scale.HeadTemperature` /
 :class:`~hf_sparsemax.attention.query_scale.LengthScale`) on each attention module. ``generate``'s own cache then
 becomes a :class:`~hf_sparsemax.GrowingCache` where that is exact
-(:func:`~hf_sparsemax.attention.growing_cache.prepare_cache_for_generation`). Removing it gives back the
+(:func:`~hf_sparsemax.attention.blocked.growing_cache.prepare_cache_for_generation`). Removing it gives back the
 implementation the model had.
 """
 
@@ -26,7 +26,7 @@ from ..attention.families import check_supported
 from ..attention.interface import num_heads
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, HeadTemperature, LengthScale
 from ..settings import SparseSettings
-from ..attention import growing_cache, pages
+from ..attention.blocked import growing_cache, pages
 from .protocol import PatchRequest
 
 ORIGINAL_ATTR = "_hf_sparsemax_original_attn"  # the implementation a model had before its attention was swapped

@@ -32,7 +32,7 @@ from torch import nn
 
 from .._model import base_model
 from ..attention.interface import OPTIONS_ATTR, is_causal, mask_function, scaled_attention_forward
-from ..attention.pages import take_layer
+from ..attention.blocked.pages import take_layer
 from ..attention.query_scale import TEMPERATURE_ATTR, apply_factor, query_factor, query_positions
 from ..settings import CONFIG_KEY, SparseSettings
 from .attention_swap import set_attention

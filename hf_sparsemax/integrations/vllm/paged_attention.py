@@ -18,25 +18,25 @@ keys get weight exactly 0. A learned alpha is one value per query head. Under a 
 (bfloat16, float16) the cache stays in the model's dtype and the rows a layer reads are cast to float32 (exact), so
 the scores, the masks, the weights and ``P V`` are float32 computations and only the output is rounded to the
 model's dtype, as transformers' path computes a half model's sparse attention
-(:func:`hf_sparsemax.attention.blocks.work_operands`): both choose their supports from the same float32 scores.
+(:func:`hf_sparsemax.attention.blocked.blocks.work_operands`): both choose their supports from the same float32 scores.
 
 One step, many layers. Everything that depends on the step's layout only (which requests decode, the cache rows
 of each request's keys, the masks) is a :class:`StepPlan`, built once a step (:func:`step_plan`; vLLM's
 backend keeps it on the step's attention metadata, which every layer gets) and read by every layer. A layer runs
 the decode steps (one new token a request) as one padded batched call of the fused CPU kernel
-(:func:`kernel_decode`, :func:`hf_sparsemax.attention.fused.paged_decode`), which reads each request's keys and
+(:func:`kernel_decode`, :func:`hf_sparsemax.attention.cpu.fused.paged_decode`), which reads each request's keys and
 values in place through their slots; the other requests one at a time, on their keys and values gathered with
 one index, through transformers' blocked threshold attention (:func:`blocked_prefill`: the same scoring, masks,
 alpha per head and solver, the fused kernel's blocks included). The mappings the kernel and the blocked
 attention leave out (``sparse_softmax``, alphas solved in float64, float16 caches) are scored and solved here
 (:func:`attend`), queries in blocks whose scores stay within
-:data:`~hf_sparsemax.attention.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
+:data:`~hf_sparsemax.attention.blocked.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
 once a layer (a host read); no other value is read on the host. A request whose whole prompt is new in the step
 (no cached prefix, not a later chunk) is attended over the step's own keys and values (as written: cast to the
 cache's dtype), not gathered back out of the cache.
 
-The int8 key certificate (:mod:`hf_sparsemax.attention.keycodes`). The first decode step of a layer with a
-request of at least :data:`~hf_sparsemax.attention.pages.MIN_KEYS` keys (``HF_SPARSEMAX_KV_SKIP=0``: never;
+The int8 key certificate (:mod:`hf_sparsemax.attention.blocked.keycodes`). The first decode step of a layer with a
+request of at least :data:`~hf_sparsemax.attention.blocked.pages.MIN_KEYS` keys (``HF_SPARSEMAX_KV_SKIP=0``: never;
 cache blocks of a multiple of its ``BLOCK`` slots) makes the cache's :class:`~.keycodes.SlotCodes`, coding every
 slot as it is; from then on :func:`write_cache` codes each slot it writes in the same step (one kernel call), so
 a slot's codes are always its present key's, and the decode steps read only the keys the certificate does not
@@ -54,12 +54,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ...attention.blocks import HALF, block_queries, threshold_attention
-from ...attention.fused import KEY_DTYPES, paged_decode
+from ...attention.blocked.blocks import HALF, block_queries, threshold_attention
+from ...attention.blocked.keycodes import BLOCK, KeyCodes, SlotCodes, take_turn, tally
+from ...attention.blocked.pages import MIN_KEYS
+from ...attention.blocked.pages import enabled as skipping_enabled
+from ...attention.cpu.fused import KEY_DTYPES, paged_decode
 from ...attention.interface import AttentionOptions
-from ...attention.keycodes import BLOCK, KeyCodes, SlotCodes, take_turn, tally
-from ...attention.pages import MIN_KEYS
-from ...attention.pages import enabled as skipping_enabled
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
 from ...mappings.entmax import precise_in_float32
@@ -389,7 +389,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
 def kernel_decode(rows: torch.Tensor, kv_cache: torch.Tensor, decode: DecodePlan, scale: float,
                   attention: SparseAttention, block_size: int | None = None) -> torch.Tensor | None:
     """Output ``[R, H, 1, D]`` (float32) of the decode requests' ``rows [R, Hkv, G, 1, D]`` by the fused kernel
-    (:func:`hf_sparsemax.attention.fused.paged_decode`: the cache read in place through the requests' slots, no
+    (:func:`hf_sparsemax.attention.cpu.fused.paged_decode`: the cache read in place through the requests' slots, no
     gather; the exact threshold on each row's candidates, ``P V`` over the support; with ``block_size``, the
     cache's, the int8 certificate where :func:`slot_codes` serves it), or None where it does not serve the call
     (then :func:`attend` on gathered rows)."""

@@ -18,7 +18,7 @@ The cache folder is ``$HF_SPARSEMAX_CACHE``, else ``$XDG_CACHE_HOME/hf_sparsemax
   where another process published first (``EEXIST``), its library is used, so a library another process (or
   host, over NFS) has mapped is never overwritten.
 
-``hf-sparsemax build-kernels`` (or ``python -m hf_sparsemax.attention.fused``, :func:`.fused.main`) builds
+``hf-sparsemax build-kernels`` (or ``python -m hf_sparsemax.attention.cpu.fused``, :func:`.fused.main`) builds
 ahead of time, for container images and read-only homes: point ``HF_SPARSEMAX_CACHE`` at a folder, build
 there once, and processes after load it (a folder they cannot write is fine).
 """

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from .fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM, code_slots
-from .fused import decode as fused_decode
+from ..cpu.fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM, code_slots
+from ..cpu.fused import decode as fused_decode
 
 GROW = 512  # key slots added at a time to a dynamic cache's codes
 BLOCK = CERTIFICATE["CODE_BLOCK"]  # keys a block of codes (fused.c: slots come in multiples of it)

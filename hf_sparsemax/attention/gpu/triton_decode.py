@@ -35,8 +35,8 @@ import os
 
 import torch
 
-from ..mappings.entmax import MAX_ITER, TOLERANCE
-from .decode import MAX_QUERIES
+from ...mappings.entmax import MAX_ITER, TOLERANCE
+from ..blocked.decode import MAX_QUERIES
 
 BLOCK_ROWS = 16  # query rows of a group a program scores at once (tl.dot's smallest tile; fewer rows are padded)
 BLOCK_KEYS = 64  # keys a block

@@ -56,8 +56,8 @@ import types
 
 import torch
 
-from ..mappings._core import DENSE_MAX_ITER, DENSE_TOLERANCE_ULPS
-from ..mappings.entmax import precise_in_float32
+from ...mappings._core import DENSE_MAX_ITER, DENSE_TOLERANCE_ULPS
+from ...mappings.entmax import precise_in_float32
 from .triton_decode import interpreting
 from .triton_decode import reasons as decode_reasons
 
@@ -90,7 +90,7 @@ def not_supported_reasons(query, key, value, mask=None, *, alpha=1.5, mapping: s
     ``decoding``: the call goes to the decoding kernel, whose operands are checked by its own predicate
     (:func:`.triton_decode.reasons`, the one :func:`.triton_decode.triton_decode` raises on).
     """
-    from ..mappings import registry
+    from ...mappings import registry
 
     reasons = []
     if not triton_available():
@@ -319,8 +319,8 @@ class TritonAttention(torch.autograd.Function):
 def reference_attention(query, key, value, mask=None, *, causal=False, alpha=1.5, scaling=None, mask_floor=None):
     """The same output through the materialised ``[B, H, q, kv]`` weights and the library's differentiable
     mappings (half operands in float32): the double backward's path, and a readable statement of the math."""
-    from ..mappings import entmax15, entmax_bisect, sparsemax
-    from .blocks import causal_mask, work_operands
+    from ...mappings import entmax15, entmax_bisect, sparsemax
+    from ..blocked.blocks import causal_mask, work_operands
 
     dtype, heads = query.dtype, query.shape[1]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling

@@ -36,7 +36,7 @@ import math
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .._model import remove_instance_method, set_instance_method
+from ..._model import remove_instance_method, set_instance_method
 
 ROUND = 64  # keys: capacities are multiples of it (a page of :mod:`.pages`)
 GENERATE_GROWTH = 1.04  # growth of the cache generate makes for a patched model: at most ~5% more than its keys

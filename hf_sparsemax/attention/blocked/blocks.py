@@ -49,9 +49,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..mappings import compiled
-from ..mappings._core import masked_below
-from .fused import block_rows
+from ...mappings import compiled
+from ...mappings._core import masked_below
+from ..cpu.fused import block_rows
 
 ATTENTION_BUDGET = 1 << 20  # attention weights held at once (entries of [B, H, q_block, kv]: 4 MiB in float32)
 DEVICE_ATTENTION_BUDGET = 1 << 26  # ... on an accelerator (256 MiB in float32), where each block costs launches

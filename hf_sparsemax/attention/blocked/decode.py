@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ..mappings import compiled
-from ..mappings._core import masked_below
-from .fused import decode as fused_decode
+from ...mappings import compiled
+from ...mappings._core import masked_below
+from ..cpu.fused import decode as fused_decode
 from .blocks import Block, block_alpha, block_scores, grouped, work_operands
 from .keycodes import coded_attention
 from .pages import skipping_attention, weighted_values

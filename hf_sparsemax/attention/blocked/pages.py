@@ -40,8 +40,8 @@ import weakref
 
 import torch
 
-from ..mappings import compiled
-from ..mappings._core import masked_below
+from ...mappings import compiled
+from ...mappings._core import masked_below
 
 PAGE = 64  # keys a page
 MIN_KEYS = 1024  # cached keys from which a decoding step skips pages (measured: below, the full step is as fast)
