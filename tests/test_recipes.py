@@ -1,6 +1,7 @@
 """Recipes and the train / evaluate / generate / compare commands, on tiny random models and real fortunes text."""
 
 import json
+import math
 import os
 import string
 
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
-from hf_sparsemax.app import cli, report
+from hf_sparsemax.app import cli, report, runner
 from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
 CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
@@ -74,6 +75,28 @@ def write_recipe(tmp_path, model, **changes):
 
 def run(*argv):
     return cli.main([str(a) for a in argv])
+
+
+def refuse(name):
+    raise ValueError(f"not strict JSON: bare {name}")
+
+
+def strict_json(path):
+    """A JSON file read by a strict parser: bare Infinity / NaN (Python's extension, which jq refuses) fail."""
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_json_files_are_strict_and_read_back_as_written(tmp_path):
+    data = {"ce": math.inf, "low": -math.inf, "nan": math.nan, "rows": [{"x": 1.5, "y": [math.inf]}], "n": 3,
+            "text": "inf"}
+    runner.write_json(tmp_path / "r.json", data)
+    assert strict_json(tmp_path / "r.json") == {"ce": "Infinity", "low": "-Infinity", "nan": "NaN",
+                                                "rows": [{"x": 1.5, "y": ["Infinity"]}], "n": 3, "text": "inf"}
+    back = runner.read_json(tmp_path / "r.json")
+    assert back["ce"] == math.inf and back["low"] == -math.inf and math.isnan(back["nan"])
+    assert back["rows"] == [{"x": 1.5, "y": [math.inf]}] and back["text"] == "inf" and back["n"] == 3
+    with pytest.raises(ValueError):
+        json.loads('{"a": Infinity}', parse_constant=refuse)  # the parser refuses what json.dump wrote before
 
 
 def test_shipped_recipes_are_valid():
@@ -141,8 +164,11 @@ def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
     text = (out / "report.md").read_text()
     table = [line for line in text.split("\n\n") if line.startswith("| variant | attention")][0].splitlines()
     assert len(table) == 2 + 3 and "eps-perplexity" in table[0]
-    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    results = {r["variant"]: r for r in strict_json(out / "results.json")}
     assert results["softmax_ce"]["zero_prob_share"] == 0 and results["softmax_ce"]["cross_entropy"] < 10
+    assert results["top3"]["cross_entropy"] == "Infinity"  # a held-out token at p = 0: strict JSON's string for it
+    for name in ("recipe.json", "top3/results.json", "top3/log_history.json", "top3/variant.json"):
+        strict_json(out / name)
     assert results["top3"]["support_size"] == 3 and results["top3"]["sample_zero_prob_share"] == 0
     assert results["top3"]["attention_zero_share"] > 0 and results["softmax_ce"]["attention_zero_share"] == 0
     assert "=== top3" in (out / "samples.txt").read_text()

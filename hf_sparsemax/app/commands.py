@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import shutil
 import time
@@ -307,8 +306,7 @@ def update_results(folder: str, new: dict[str, Any]) -> None:
     path = os.path.join(folder, "results.json")
     old = {}
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            old = json.load(handle)
+        old = runner.read_json(path)
     tmp = path + ".tmp"
     runner.write_json(tmp, {**old, **new})
     os.replace(tmp, path)
@@ -344,8 +342,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
         if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):
-            with open(done, encoding="utf-8") as handle:
-                result = json.load(handle)
+            result = runner.read_json(done)
             attention = None
             if recipe.task == "causal_lm" and is_main_process() and variant.name not in maps:
                 model = runner.load_trained(recipe, vdir).model
@@ -360,9 +357,8 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if attention is not None and variant.name not in maps:  # the heatmap shows each variant's first seed
             maps[variant.name] = attention
         if is_main_process():
-            with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
-                label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
-                histories.setdefault(variant.name, {})[label] = json.load(handle)
+            label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
+            histories.setdefault(variant.name, {})[label] = runner.read_json(os.path.join(vdir, "log_history.json"))
     seconds = time.perf_counter() - start
     firsts = [runs[0] for runs in seeds.by_variant(results).values()]  # each variant's first seed (plots)
     table = results if recipe.seeds is None else seeds.aggregate(results)

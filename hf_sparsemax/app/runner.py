@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -433,8 +434,7 @@ def load_trained(recipe: Recipe, folder: str) -> TrainedVariant:
     info_path = os.path.join(folder, "variant.json")
     if not os.path.isfile(info_path):
         raise RecipeError(f"no trained variant in {folder}: run `hf-sparsemax train` (or compare) first")
-    with open(info_path, encoding="utf-8") as handle:
-        info = json.load(handle)
+    info = read_json(info_path)
     model_dir = os.path.join(folder, "model")
     tokenizer = load_tokenizer(recipe, model_dir)
     settings = info["settings"]
@@ -461,7 +461,40 @@ def fresh_copy(model):
     return copy.deepcopy(model)
 
 
+NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}  # results.json's strings for them
+
+
+def strict(data: Any) -> Any:
+    """``data`` with every non-finite float replaced by its string in :data:`NON_FINITE` (strict JSON has no
+    infinity or NaN: ``jq`` and JavaScript refuse Python's bare ``Infinity``)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "NaN" if math.isnan(data) else ("Infinity" if data > 0 else "-Infinity")
+    if isinstance(data, dict):
+        return {key: strict(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict(value) for value in data]
+    return data
+
+
+def loose(data: Any) -> Any:
+    """The inverse of :func:`strict`: the strings of :data:`NON_FINITE` back to floats."""
+    if isinstance(data, str):
+        return NON_FINITE.get(data, data)
+    if isinstance(data, dict):
+        return {key: loose(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [loose(value) for value in data]
+    return data
+
+
 def write_json(path: str, data: Any) -> None:
+    """Strict JSON (:func:`strict`: ``"Infinity"``, ``"-Infinity"``, ``"NaN"`` for the non-finite floats)."""
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True, default=str)
+        json.dump(strict(data), handle, indent=2, sort_keys=True, default=str, allow_nan=False)
         handle.write("\n")
+
+
+def read_json(path: str) -> Any:
+    """A file :func:`write_json` wrote, its non-finite numbers floats again."""
+    with open(path, encoding="utf-8") as handle:
+        return loose(json.load(handle))
