@@ -171,6 +171,11 @@ def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
         strict_json(out / name)
     assert results["top3"]["support_size"] == 3 and results["top3"]["sample_zero_prob_share"] == 0
     assert results["top3"]["attention_zero_share"] > 0 and results["softmax_ce"]["attention_zero_share"] == 0
+    # every layer and head on held-out blocks, apart from the heatmap's one head on one sentence
+    assert results["top3"]["heldout_attention_zero_share"] > 0 == results["softmax_ce"]["heldout_attention_zero_share"]
+    assert all(r["train_cpu_seconds"] > 0 and len(r["train_load"]) == 2 for r in results.values())
+    assert text.startswith("# hf-sparsemax compare: recipe `tiny`\n\n## Verdict\n\n- **Time**: training CPU time")
+    assert "attention zeros (held-out, all heads) | heatmap head zeros | train CPU s |" in table[0]
     assert "=== top3" in (out / "samples.txt").read_text()
     assert all(r["eval_examples"] == 4 for r in results.values())
 
@@ -323,8 +328,16 @@ def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
     shrink = ["training.max_steps=2", "data.block_size=32", "data.train_size=16", "data.eval_size=4",
               "eval.max_new_tokens=8", "training.disable_tqdm=true"]
     assert run("compare", "default", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
-    assert "best epsilon-perplexity" in capsys.readouterr().out.strip().splitlines()[-1]
-    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert "best epsilon-perplexity" in printed[-1] and printed[-2].startswith("- Memory: peak resident memory")
+    results = {r["variant"]: r for r in strict_json(out / "results.json")}
+    verdict = (out / "report.md").read_text().split("## Verdict\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split("**")[1] for line in verdict] == [
+        "Which loss keeps quality, at which sparsity", "Which attention", "Time", "Memory"]
+    eps = results["entmax15_attn"]["epsilon_perplexity"]
+    assert f"`entmax15_attn` attends with {results['entmax15_attn']['heldout_attention_zero_share']:.0%}" in verdict[1]
+    assert f"epsilon-perplexity {eps:.2f}" in verdict[1] and "`learned_alpha_attn`" in verdict[1]
+    assert results["entmax15_attn"]["heldout_attention_zero_share"] > 0.2
     assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15_loss", "entmax15_attn",
                              "learned_alpha_attn"]
     assert 0 < results["softmax_ce"]["cross_entropy"] < 10 and results["softmax_ce"]["zero_prob_share"] == 0

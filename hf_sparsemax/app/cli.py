@@ -110,6 +110,9 @@ def summary(text: str, compared: dict | None) -> None:
     if not is_main_process():
         return
     if compared is not None:
+        for line in compared.get("verdict", [])[2:]:  # the report's verdict, without its heading
+            if line:
+                print(line.replace("**", "").replace("`", ""), flush=True)
         rows = compared["results"]
         key, best = ("macro_f1", max) if "macro_f1" in rows[0] else ("epsilon_perplexity", min)
         winner = best(rows, key=lambda r: r[key])

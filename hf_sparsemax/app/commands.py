@@ -18,6 +18,7 @@ import contextlib
 import gc
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -206,6 +207,11 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
         results.update(curve=curve.points, step0_loss=curve.points[0]["eval_loss"],
                        heldout_attention_zero_share=curve.points[-1]["attention_zero_share"])
     results.update(runner.evaluate(trainer))
+    if curve is None and recipe.task == "causal_lm":  # the held-out zeros the curves' last point would give
+        from .curves import measure
+
+        results["heldout_attention_zero_share"] = measure(trainer.model, eval_set, recipe.eval.curve_blocks,
+                                                          recipe.eval.batch_size)["attention_zero_share"]
     results.update(runner.learned_alphas(trainer.model, start_alphas))
     attention = None
     if is_main_process():
@@ -337,7 +343,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context)
     note_replacement(final)
     start_work(work, resume)
-    results, maps, histories = [], {}, {}
+    results, maps, histories, heldout = [], {}, {}, {}
     for folder, variant in runs:
         vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
@@ -359,14 +365,15 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if is_main_process():
             label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
             histories.setdefault(variant.name, {})[label] = runner.read_json(os.path.join(vdir, "log_history.json"))
+            heldout.setdefault(variant.name, {})[label] = heldout_points(result)
     seconds = time.perf_counter() - start
     firsts = [runs[0] for runs in seeds.by_variant(results).values()]  # each variant's first seed (plots)
     table = results if recipe.seeds is None else seeds.aggregate(results)
+    layer = recipe.eval.heatmap_layer % base.config.num_hidden_layers if recipe.task == "causal_lm" else 0
     if is_main_process():
         figures = ["loss_curves.png"]
-        report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"))
+        report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"), heldout)
         if maps:
-            layer = recipe.eval.heatmap_layer % base.config.num_hidden_layers
             report.plot_attention(maps, os.path.join(work, "attention_heatmap.png"), layer, recipe.eval.heatmap_head)
             figures.append("attention_heatmap.png")
             report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
@@ -380,8 +387,30 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if long_report.plot_passkey(results, os.path.join(work, "passkey_heatmap.png")):
             figures.append("passkey_heatmap.png")
         report.write_report(work, recipe, table, seconds, figures, runs=firsts,
-                            extra=convert_report.conversion_section(results) + long_report.section(results))
+                            extra=convert_report.conversion_section(results) + long_report.section(results),
+                            peak_rss=peak_rss(), heatmap=(layer, recipe.eval.heatmap_head))
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)
-    return {"folder": final, "seconds": round(seconds, 1), "results": table}
+    from .verdict import verdict
+
+    return {"folder": final, "seconds": round(seconds, 1), "results": table, "peak_rss": peak_rss(),
+            "verdict": verdict(table, recipe.task, peak_rss())}
+
+
+def peak_rss() -> float | None:
+    """This process's peak resident memory so far, in bytes (None where ``resource`` is missing: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1.0 if sys.platform == "darwin" else 1024.0)
+
+
+def heldout_points(result: dict[str, Any]) -> list[tuple[int, float]]:
+    """``[(step, held-out loss)]`` of one run for the loss curves: its curve points, else its final evaluation."""
+    if result.get("curve"):
+        return [(p["step"], p["eval_loss"]) for p in result["curve"]]
+    if result.get("eval_loss") is not None and result.get("steps") is not None:
+        return [(result["steps"], result["eval_loss"])]
+    return []

@@ -321,16 +321,19 @@ def last_checkpoint(work_dir: str) -> str | None:
 
 
 def train(trainer, work_dir: str, resume: bool) -> dict[str, Any]:
-    """Train (from the last checkpoint with ``resume``) and save the model; returns train metrics."""
+    """Train (from the last checkpoint with ``resume``) and save the model; returns train metrics: wall-clock
+    ``train_seconds``, ``train_cpu_seconds`` (this process's CPU time, every thread: what the training cost,
+    less swayed by other work on the machine) and ``train_load`` (the 1-minute load average at start and end)."""
     checkpoint = last_checkpoint(work_dir) if resume else None
-    start = time.perf_counter()
+    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     trainer.save_model(os.path.join(work_dir, "model"))
     if trainer.args.should_save:
         write_json(os.path.join(work_dir, "log_history.json"), trainer.state.log_history)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return {"train_seconds": round(seconds, 1), "train_loss": result.training_loss,
+    return {"train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu, 1),
+            "train_load": [round(load, 2), round(os.getloadavg()[0], 2)], "train_loss": result.training_loss,
             "final_loss": losses[-1] if losses else None, "steps": trainer.state.global_step,
             "resumed_from": os.path.basename(checkpoint) if checkpoint else None}
 
