@@ -155,8 +155,16 @@ def test_train_evaluate_generate(tiny_llama, tmp_path, capsys):
 def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
     recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "report"
     assert run("compare", recipe, "--output", out, "--set", "training.max_steps=2") == 0
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr()
+    lines = printed.out.strip().splitlines()
+    summary = lines[-1]
     assert summary.startswith("hf-sparsemax: compared 3 variants") and summary.endswith("report.md")
+    # one line per variant as it starts, saying what it changes; no Trainer log dicts; the verdict at the end
+    assert [line for line in lines if line.startswith("hf-sparsemax: [")] == [
+        "hf-sparsemax: [1/3] entmax15: attention -> entmax15, loss -> entmax15",
+        "hf-sparsemax: [2/3] softmax_ce: the recipe's own settings (softmax attention, cross_entropy loss)",
+        "hf-sparsemax: [3/3] top3: attention -> sparse_softmax(top_k=2), loss -> sparse_softmax(top_k=3)"]
+    assert "{'loss'" not in printed.out + printed.err and lines[-3].startswith("- Time: training CPU time")
     files = set(os.listdir(out))
     assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt", "results.json",
             "softmax_ce", "entmax15", "top3"} <= files
@@ -460,3 +468,35 @@ def test_the_conversion_targets_say_met_or_missed_with_their_numbers():
            "swap at step 0: 5.000 (+19.0%)" in text
     assert "alphas spread >= 0.2: **MISSED**: held-out CE 4.200 ± 0.000 (+4.9%), alphas spread over 0.150" in text
     assert "| entmax15_converted | 2 | 4.300 | 4.050 ± 0.000 | +1.1% | 70% |  |" in text
+
+
+def test_the_console_shows_a_progress_bar_with_the_loss_and_each_warning_once(tiny_llama, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama)
+    assert run("train", recipe, "--variant", "top3", "--output", tmp_path / "runs",
+               "--set", "training.disable_tqdm=false") == 0
+    printed = capsys.readouterr()
+    assert "hf-sparsemax: training top3: attention -> sparse_softmax(top_k=2), loss -> sparse_softmax(top_k=3)" in \
+        printed.out
+    bar = printed.err.replace("\r", "\n")
+    assert "top3 training: 100%" in bar and "loss=" in bar  # tqdm, the last logged loss in the bar
+    assert "{'loss'" not in printed.out + printed.err and "'train_runtime'" not in printed.out + printed.err
+
+
+def test_each_warning_once_survives_catch_warnings():
+    """A dependency's warning repeated in every variant is shown once, although catch_warnings in between clears
+    the registry the filter action "once" relies on."""
+    import warnings
+
+    def warn():
+        warnings.warn("deprecated thing", FutureWarning)
+
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("default")
+        with cli.each_warning_once():
+            for _ in range(3):
+                warn()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+            warnings.warn("another", FutureWarning)
+        warn()  # outside the block: shown as the filters say
+    assert [str(w.message) for w in log] == ["deprecated thing", "another", "deprecated thing"]

@@ -7,9 +7,11 @@ The command line itself (its help, its parser, the console script's ``main``) is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import warnings
 
 from hf_sparsemax_cli import RECIPE_COMMANDS, parse
 
@@ -122,7 +124,35 @@ def summary(text: str, compared: dict | None) -> None:
 
 
 def run(args) -> int:
-    """Run the parsed command (:func:`hf_sparsemax_cli.parse`); bad input: one line on stderr, exit code 2."""
+    """Run the parsed command (:func:`hf_sparsemax_cli.parse`); bad input: one line on stderr, exit code 2.
+    A warning is shown once per run, not once per variant (:func:`each_warning_once`)."""
+    with each_warning_once():
+        return run_command(args)
+
+
+@contextlib.contextmanager
+def each_warning_once():
+    """Show each warning (same category, text and place) once while the block runs. The filter action "once"
+    does not do this: CPython's C warnings keep its memory in the module's registry, which every
+    ``warnings.catch_warnings`` in torch or transformers clears, so a transformers FutureWarning printed once per
+    variant."""
+    shown, show = set(), warnings.showwarning
+
+    def once(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message), filename, lineno)
+        if key not in shown:
+            shown.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = once
+    try:
+        yield
+    finally:
+        if warnings.showwarning is once:
+            warnings.showwarning = show
+
+
+def run_command(args) -> int:
     try:
         if args.command in RECIPE_COMMANDS:
             return recipe_command(args)

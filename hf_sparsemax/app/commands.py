@@ -247,6 +247,28 @@ def score_decoders(model, recipe: Recipe, variant: Variant, eval_set) -> list[di
                  epsilon=recipe.eval.epsilon, batch_size=recipe.eval.batch_size)
 
 
+def say(text: str) -> None:
+    """One console line of a run (the main process's)."""
+    if is_main_process():
+        print(f"hf-sparsemax: {text}", flush=True)
+
+
+def changes(recipe: Recipe, variant: Variant) -> str:
+    """What a variant changes against the recipe's own settings, e.g. ``attention -> entmax15``."""
+    parts = []
+    for what, name, options, base, base_options in (
+            ("attention", variant.attn, variant.attn_options, recipe.attn, recipe.attn_options),
+            ("loss", variant.loss, variant.loss_options, recipe.loss, recipe.loss_options)):
+        if (name, options) != (base, base_options):
+            parts.append(f"{what} -> {describe(name, options)}")
+    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "calibrate", "alpha_schedule",
+                                                            "distill") if getattr(variant, key) is not None]
+    parts += [f"training.{key}={value}" for key, value in variant.training.items()
+              if recipe.training.get(key) != value]
+    return ", ".join(parts) or (f"the recipe's own settings ({describe(recipe.attn, recipe.attn_options)} "
+                                f"attention, {describe(recipe.loss, recipe.loss_options)} loss)")
+
+
 def describe(name: str | None, options: dict[str, Any]) -> str:
     text = name or "default"
     return text + ("(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
@@ -263,6 +285,7 @@ def train_command(recipe: Recipe, variant_name: str | None, output: str | None, 
         final = os.path.join(root, variant.name)
         work = final + ".partial"
         note_replacement(final)
+        say(f"training {variant.name}: {changes(recipe, variant)}")
         with discard_on_failure(work):
             start_work(work, resume)
             results, _ = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, work, resume,
@@ -344,7 +367,8 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
     note_replacement(final)
     start_work(work, resume)
     results, maps, histories, heldout = [], {}, {}, {}
-    for folder, variant in runs:
+    for number, (folder, variant) in enumerate(runs, 1):
+        say(f"[{number}/{len(runs)}] {folder}: {changes(recipe, variant)}")
         vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
         if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):

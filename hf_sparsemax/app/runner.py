@@ -269,9 +269,40 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=custom_loss,
                       preprocess_logits_for_metrics=preprocess, compute_metrics=compute, callbacks=callbacks)
+    quiet_console(trainer, variant.name)
     trainer.hf_sparsemax_predictions = kept  # classification: filled by each evaluation (see evaluate)
     trainer.hf_sparsemax_curve = curve  # causal LM with eval.curve_every: the held-out curves (see .curves)
     return trainer
+
+
+def quiet_console(trainer, name: str) -> None:
+    """Trainer's console as a progress bar per phase with the loss in it (:func:`loss_bar`), instead of a line
+    per logging step (``{'loss': ...}``); nothing with ``training.disable_tqdm``."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if not trainer.args.disable_tqdm:
+        trainer.add_callback(loss_bar(name))
+
+
+def loss_bar(name: str):
+    """transformers' own progress bar (tqdm), named ``name``, showing the last logged losses in the bar
+    rather than printing each log entry on a line of its own."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class LossBar(ProgressCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:
+                self.training_bar.set_description(f"{name} training")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            shown = {key: f"{logs[key]:.4g}" for key in ("loss", "eval_loss") if isinstance(logs.get(key), float)}
+            if self.training_bar is not None and shown:
+                self.training_bar.set_postfix(shown, refresh=False)
+
+    return LossBar()
 
 
 def conversion_callbacks(recipe: Recipe, variant: Variant, eval_set) -> tuple[list, Any]:
