@@ -107,8 +107,18 @@ def add_recipe_command(commands, name: str, recipes: str) -> None:
                          help="continue an interrupted run from its last checkpoint")
 
 
-def build_parser() -> OneLineParser:
-    """The whole command line; building it imports nothing of torch, transformers or ``hf_sparsemax``."""
+def loss_names() -> list[str]:
+    """The losses ``decoding-report --loss`` takes, from the registry (imports the package: only that command,
+    which loads a model anyway, asks for them)."""
+    from hf_sparsemax.mappings import registry
+
+    return ["cross_entropy", *registry.names("processor")]
+
+
+def build_parser(losses: list[str] | None = None) -> OneLineParser:
+    """The whole command line; building it imports nothing of torch, transformers or ``hf_sparsemax``.
+    ``losses``: the names ``decoding-report --help`` lists (:func:`loss_names`; None: a few, and the rest on
+    a wrong name)."""
     recipes = ", ".join(shipped_recipes())
     parser = OneLineParser(prog="hf-sparsemax", description=__doc__.split("\n\nThis module")[0].replace(
         "@RECIPES@", recipes), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,9 +127,9 @@ def build_parser() -> OneLineParser:
         add_recipe_command(commands, name, recipes)
     report = commands.add_parser("decoding-report", help="how far sampling strays from the trained distribution")
     report.add_argument("--model", help="model id, folder or .gguf file (default: offline SmolLM2-135M-Instruct)")
-    report.add_argument("--loss", help="the training loss whose distribution decoding should match: cross_entropy "
-                        "or a sparse loss such as sparsemax, entmax15, sparse_softmax (an unknown name is refused "
-                        "with the list)")
+    report.add_argument("--loss", help="the training loss whose distribution decoding should match: one of "
+                        + (", ".join(losses) if losses else "cross_entropy, sparsemax, entmax15, sparse_softmax, ..."
+                           " (an unknown name is refused with the list)"))
     report.add_argument("--loss-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE")
     report.add_argument("--decode-option", type=parse_option, action="append", default=[], metavar="NAME=VALUE",
                         help="decode with plain transformers sampling and these generate options instead")
@@ -146,8 +156,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line (``--help`` and usage errors exit here, exit code 0 / 2); what follows ``--``
     goes to ``vllm serve`` as ``vllm_args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    vllm_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    argv, vllm_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = build_parser(loss_names() if "decoding-report" in argv else None).parse_args(argv)
     args.vllm_args = vllm_args
     return args
 
