@@ -28,7 +28,8 @@ ONE_SEED = [
 
 
 def test_one_sentence_per_question_from_the_numbers():
-    lines = verdict(ONE_SEED, "causal_lm", peak_rss=3.5 * 2**30)
+    rows = [dict(r, train_load=[0.5 + i, 1.5]) for i, r in enumerate(ONE_SEED)]
+    lines = verdict(rows, "causal_lm", peak_rss=3.5 * 2**30)
     assert lines[0] == "## Verdict" and lines[-1] == ""
     loss, attention, time, memory = [line for line in lines if line.startswith("- ")]
     assert loss.startswith("- **Which loss keeps quality, at which sparsity** (against `softmax_ce`: "
@@ -40,7 +41,8 @@ def test_one_sentence_per_question_from_the_numbers():
     assert ("`entmax15_attn` attends with 74% exact zeros at +0.254 nats of held-out cross-entropy, "
             "epsilon-perplexity 65.71 (worse (one run: no error bars))") in attention
     assert time == ("- **Time**: training CPU time (process CPU seconds) against `softmax_ce` (100 s): "
-                    "`entmax15_loss` 1.10x, `top10` 1.05x, `entmax15_attn` 1.50x.")
+                    "`entmax15_loss` 1.10x, `top10` 1.05x, `entmax15_attn` 1.50x; 1-minute load average 0.5-3.5 "
+                    "while training.")
     assert "3.50 GiB" in memory
 
 

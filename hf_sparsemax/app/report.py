@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+FIGURE_WIDTH = 12.0  # inches at 110 dpi: 1320 px, the widest a figure gets (the width a report is read at)
+HEATMAP_TOKENS = 32  # tokens shown per heatmap (the first ones); more become unreadable at that width
 HELD_OUT_COLUMNS = [  # (results key, header, format): a causal LM under one distribution
     ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
     ("sparsemax_score", "sparsemax score", "{:.4f}"),
@@ -146,15 +148,21 @@ def plot_loss_curves(histories: dict[str, dict[str, list[dict[str, Any]]]], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(histories), figsize=(4.2 * len(histories), 3.2), squeeze=False)
-    for ax, (name, runs) in zip(axes[0], histories.items()):
+    cols = max(1, min(len(histories), int(FIGURE_WIDTH // 4.0)))  # panels wrap at the report's width
+    rows = -(-len(histories) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(histories):]:
+        ax.axis("off")
+    for ax, (name, runs) in zip(axes.flat, histories.items()):
         for label, history in runs.items():
             steps = [e["step"] for e in history if "loss" in e]
-            ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".", label=label)
+            ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".",
+                    label="training" if label == "train" else label)
             evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
             evals = sorted(dict(evals + list((heldout or {}).get(name, {}).get(label, []))).items())
             if evals:
-                ax.plot(*zip(*evals), marker="o", linestyle="--", label=f"{label} held-out")
+                ax.plot(*zip(*evals), marker="o", linestyle="--",
+                        label="held-out" if label == "train" else f"{label} held-out")
         ax.legend(fontsize=7)
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -273,10 +281,6 @@ def plot_learned_alphas(results: list[dict[str, Any]], path: str, threshold: flo
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-FIGURE_WIDTH = 12.0  # inches at 110 dpi: 1320 px, the width a report is read at
-HEATMAP_TOKENS = 32  # tokens shown per heatmap (the first ones); more become unreadable at that width
 
 
 def plot_attention(maps: dict[str, tuple[np.ndarray, list[str]]], path: str, layer: int, head: int) -> None:

@@ -106,8 +106,11 @@ def cost_sentences(results, ref, peak_rss: float | None) -> list[str]:
         got = number(row, "train_cpu_seconds")
         parts.append(f"`{row['variant']}` " + (f"{got[0] / base[0]:.2f}x" if got and base and base[0] > 0
                                                else NOT_MEASURED))
+    loads = [load for row in results for load in row.get("train_load") or []]
+    load = f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} while training" if loads else ""
     time = (f"**Time**: training CPU time (process CPU seconds) against `{ref['variant']}` "
-            f"({shown(ref, 'train_cpu_seconds', '{:.0f}')} s): " + (", ".join(parts) or "no other variant") + ".")
+            f"({shown(ref, 'train_cpu_seconds', '{:.0f}')} s): " + (", ".join(parts) or "no other variant")
+            + load + ".")
     memory = ("**Memory**: peak resident memory of the whole comparison (one process, every variant) "
               + (f"{peak_rss / 2**30:.2f} GiB" if peak_rss else NOT_MEASURED) + "; per variant " + NOT_MEASURED + ".")
     return [time, memory]
