@@ -95,3 +95,54 @@ def test_missing_optional_packages_stop_at_once_naming_the_extra(tmp_path, missi
     if argv == ["compare", "classify"]:  # docs/recipes.md shows this refusal as the command prints it
         page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
         assert page.split("$ hf-sparsemax compare classify\n", 1)[1].splitlines()[0] == err
+
+
+ENTRY_POINT = """
+import importlib, sys, tomllib
+with open({pyproject!r}, "rb") as handle:
+    module, function = tomllib.load(handle)["project"]["scripts"]["hf-sparsemax"].split(":")
+try:
+    getattr(importlib.import_module(module), function)({argv!r})
+except SystemExit as done:
+    heavy = sorted(n for n in ("torch", "transformers", "datasets", "numpy", "hf_sparsemax") if n in sys.modules)
+    print("exit", done.code, "imported", heavy, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["compare", "--help"], 0), (["compare"], 2),
+                                        (["compare", "default", "--epochs", "3"], 2), (["train", "x", "--seeds"], 2)])
+def test_help_and_argument_errors_import_no_heavy_package(argv, code):
+    """The console script (pyproject's entry point) answers --help and usage errors before importing torch,
+    transformers or hf_sparsemax (5-8 s of imports), so they come at once."""
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", ENTRY_POINT.format(pyproject=str(root / "pyproject.toml"),
+                                                                     argv=argv)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == f"exit {code} imported []", done.stderr[-2000:]
+
+
+def test_help_names_every_shipped_recipe(capsys):
+    from hf_sparsemax.app.recipes import shipped_recipes
+
+    names = shipped_recipes()
+    assert {"default", "classify", "convert", "convert_long"} <= set(names)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"shipped with the package: {', '.join(names)})" in text
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    assert f"shipped recipe ({', '.join(names)})" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unknown_field_names_the_nearest_and_lists_the_valid_ones(capsys):
+    assert cli.main(["train", "default", "--set", "training.max_stepz=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "unknown field(s) ['max_stepz'] in training (did you mean 'max_steps'?)" in err
+    assert "valid are " in err and ", max_steps, " in err and ", learning_rate, " in err
+    assert cli.main(["train", "default", "--set", "data.blok_size=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "(did you mean 'block_size'?)" in err and "valid are balance, block_size, categories," in err

@@ -76,6 +76,7 @@ def test_named_recipes_work_from_a_built_wheel(tmp_path):
     command = subprocess.run([sys.executable, str(site / "bin" / "hf-sparsemax"), "compare", "--help"], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)
     assert command.returncode == 0 and "shipped recipe" in command.stdout, command.stderr[-2000:]
+    assert "(classify, convert, convert_long, default)" in " ".join(command.stdout.split())  # the wheel's own
 
 
 def module_name(path):

@@ -1,6 +1,7 @@
 """Recipes and the train / evaluate / generate / compare commands, on tiny random models and real fortunes text."""
 
 import json
+import math
 import os
 import string
 
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
-from hf_sparsemax.app import cli, report
+from hf_sparsemax.app import cli, report, runner
 from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
 CHARS = ["<pad>", "</s>", "<s>", "[CLS]", "[SEP]", *string.printable]
@@ -76,6 +77,28 @@ def run(*argv):
     return cli.main([str(a) for a in argv])
 
 
+def refuse(name):
+    raise ValueError(f"not strict JSON: bare {name}")
+
+
+def strict_json(path):
+    """A JSON file read by a strict parser: bare Infinity / NaN (Python's extension, which jq refuses) fail."""
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_json_files_are_strict_and_read_back_as_written(tmp_path):
+    data = {"ce": math.inf, "low": -math.inf, "nan": math.nan, "rows": [{"x": 1.5, "y": [math.inf]}], "n": 3,
+            "text": "inf"}
+    runner.write_json(tmp_path / "r.json", data)
+    assert strict_json(tmp_path / "r.json") == {"ce": "Infinity", "low": "-Infinity", "nan": "NaN",
+                                                "rows": [{"x": 1.5, "y": ["Infinity"]}], "n": 3, "text": "inf"}
+    back = runner.read_json(tmp_path / "r.json")
+    assert back["ce"] == math.inf and back["low"] == -math.inf and math.isnan(back["nan"])
+    assert back["rows"] == [{"x": 1.5, "y": [math.inf]}] and back["text"] == "inf" and back["n"] == 3
+    with pytest.raises(ValueError):
+        json.loads('{"a": Infinity}', parse_constant=refuse)  # the parser refuses what json.dump wrote before
+
+
 def test_shipped_recipes_are_valid():
     for name in ("default", "classify"):
         recipe = load_recipe(os.path.join(RECIPE_DIR, name + ".yaml"))
@@ -132,8 +155,16 @@ def test_train_evaluate_generate(tiny_llama, tmp_path, capsys):
 def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
     recipe, out = write_recipe(tmp_path, tiny_llama), tmp_path / "report"
     assert run("compare", recipe, "--output", out, "--set", "training.max_steps=2") == 0
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr()
+    lines = printed.out.strip().splitlines()
+    summary = lines[-1]
     assert summary.startswith("hf-sparsemax: compared 3 variants") and summary.endswith("report.md")
+    # one line per variant as it starts, saying what it changes; no Trainer log dicts; the verdict at the end
+    assert [line for line in lines if line.startswith("hf-sparsemax: [")] == [
+        "hf-sparsemax: [1/3] entmax15: attention -> entmax15, loss -> entmax15",
+        "hf-sparsemax: [2/3] softmax_ce: the recipe's own settings (softmax attention, cross_entropy loss)",
+        "hf-sparsemax: [3/3] top3: attention -> sparse_softmax(top_k=2), loss -> sparse_softmax(top_k=3)"]
+    assert "{'loss'" not in printed.out + printed.err and lines[-3].startswith("- Time: training CPU time")
     files = set(os.listdir(out))
     assert {"report.md", "loss_curves.png", "attention_heatmap.png", "samples.txt", "results.json",
             "softmax_ce", "entmax15", "top3"} <= files
@@ -141,10 +172,18 @@ def test_compare_writes_a_complete_report(tiny_llama, tmp_path, capsys):
     text = (out / "report.md").read_text()
     table = [line for line in text.split("\n\n") if line.startswith("| variant | attention")][0].splitlines()
     assert len(table) == 2 + 3 and "eps-perplexity" in table[0]
-    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    results = {r["variant"]: r for r in strict_json(out / "results.json")}
     assert results["softmax_ce"]["zero_prob_share"] == 0 and results["softmax_ce"]["cross_entropy"] < 10
+    assert results["top3"]["cross_entropy"] == "Infinity"  # a held-out token at p = 0: strict JSON's string for it
+    for name in ("recipe.json", "top3/results.json", "top3/log_history.json", "top3/variant.json"):
+        strict_json(out / name)
     assert results["top3"]["support_size"] == 3 and results["top3"]["sample_zero_prob_share"] == 0
     assert results["top3"]["attention_zero_share"] > 0 and results["softmax_ce"]["attention_zero_share"] == 0
+    # every layer and head on held-out blocks, apart from the heatmap's one head on one sentence
+    assert results["top3"]["heldout_attention_zero_share"] > 0 == results["softmax_ce"]["heldout_attention_zero_share"]
+    assert all(r["train_cpu_seconds"] > 0 and len(r["train_load"]) == 2 for r in results.values())
+    assert text.startswith("# hf-sparsemax compare: recipe `tiny`\n\n## Verdict\n\n- **Time**: training CPU time")
+    assert "attention zeros (held-out, all heads) | heatmap head zeros | train CPU s |" in table[0]
     assert "=== top3" in (out / "samples.txt").read_text()
     assert all(r["eval_examples"] == 4 for r in results.values())
 
@@ -297,8 +336,16 @@ def test_default_recipe_on_the_real_smollm2(tmp_path, capsys):
     shrink = ["training.max_steps=2", "data.block_size=32", "data.train_size=16", "data.eval_size=4",
               "eval.max_new_tokens=8", "training.disable_tqdm=true"]
     assert run("compare", "default", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
-    assert "best epsilon-perplexity" in capsys.readouterr().out.strip().splitlines()[-1]
-    results = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert "best epsilon-perplexity" in printed[-1] and printed[-2].startswith("- Memory: peak resident memory")
+    results = {r["variant"]: r for r in strict_json(out / "results.json")}
+    verdict = (out / "report.md").read_text().split("## Verdict\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split("**")[1] for line in verdict] == [
+        "Which loss keeps quality, at which sparsity", "Which attention", "Time", "Memory"]
+    eps = results["entmax15_attn"]["epsilon_perplexity"]
+    assert f"`entmax15_attn` attends with {results['entmax15_attn']['heldout_attention_zero_share']:.0%}" in verdict[1]
+    assert f"epsilon-perplexity {eps:.2f}" in verdict[1] and "`learned_alpha_attn`" in verdict[1]
+    assert results["entmax15_attn"]["heldout_attention_zero_share"] > 0.2
     assert list(results) == ["softmax_ce", "sparse_softmax_top10", "entmax15_loss", "entmax15_attn",
                              "learned_alpha_attn"]
     assert 0 < results["softmax_ce"]["cross_entropy"] < 10 and results["softmax_ce"]["zero_prob_share"] == 0
@@ -421,3 +468,35 @@ def test_the_conversion_targets_say_met_or_missed_with_their_numbers():
            "swap at step 0: 5.000 (+19.0%)" in text
     assert "alphas spread >= 0.2: **MISSED**: held-out CE 4.200 ± 0.000 (+4.9%), alphas spread over 0.150" in text
     assert "| entmax15_converted | 2 | 4.300 | 4.050 ± 0.000 | +1.1% | 70% |  |" in text
+
+
+def test_the_console_shows_a_progress_bar_with_the_loss_and_each_warning_once(tiny_llama, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama)
+    assert run("train", recipe, "--variant", "top3", "--output", tmp_path / "runs",
+               "--set", "training.disable_tqdm=false") == 0
+    printed = capsys.readouterr()
+    assert "hf-sparsemax: training top3: attention -> sparse_softmax(top_k=2), loss -> sparse_softmax(top_k=3)" in \
+        printed.out
+    bar = printed.err.replace("\r", "\n")
+    assert "top3 training: 100%" in bar and "loss=" in bar  # tqdm, the last logged loss in the bar
+    assert "{'loss'" not in printed.out + printed.err and "'train_runtime'" not in printed.out + printed.err
+
+
+def test_each_warning_once_survives_catch_warnings():
+    """A dependency's warning repeated in every variant is shown once, although catch_warnings in between clears
+    the registry the filter action "once" relies on."""
+    import warnings
+
+    def warn():
+        warnings.warn("deprecated thing", FutureWarning)
+
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("default")
+        with cli.each_warning_once():
+            for _ in range(3):
+                warn()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+            warnings.warn("another", FutureWarning)
+        warn()  # outside the block: shown as the filters say
+    assert [str(w.message) for w in log] == ["deprecated thing", "another", "deprecated thing"]

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -207,6 +207,11 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
         results.update(curve=curve.points, step0_loss=curve.points[0]["eval_loss"],
                        heldout_attention_zero_share=curve.points[-1]["attention_zero_share"])
     results.update(runner.evaluate(trainer))
+    if curve is None and recipe.task == "causal_lm":  # the held-out zeros the curves' last point would give
+        from .curves import measure
+
+        results["heldout_attention_zero_share"] = measure(trainer.model, eval_set, recipe.eval.curve_blocks,
+                                                          recipe.eval.batch_size)["attention_zero_share"]
     results.update(runner.learned_alphas(trainer.model, start_alphas))
     attention = None
     if is_main_process():
@@ -242,6 +247,28 @@ def score_decoders(model, recipe: Recipe, variant: Variant, eval_set) -> list[di
                  epsilon=recipe.eval.epsilon, batch_size=recipe.eval.batch_size)
 
 
+def say(text: str) -> None:
+    """One console line of a run (the main process's)."""
+    if is_main_process():
+        print(f"hf-sparsemax: {text}", flush=True)
+
+
+def changes(recipe: Recipe, variant: Variant) -> str:
+    """What a variant changes against the recipe's own settings, e.g. ``attention -> entmax15``."""
+    parts = []
+    for what, name, options, base, base_options in (
+            ("attention", variant.attn, variant.attn_options, recipe.attn, recipe.attn_options),
+            ("loss", variant.loss, variant.loss_options, recipe.loss, recipe.loss_options)):
+        if (name, options) != (base, base_options):
+            parts.append(f"{what} -> {describe(name, options)}")
+    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "calibrate", "alpha_schedule",
+                                                            "distill") if getattr(variant, key) is not None]
+    parts += [f"training.{key}={value}" for key, value in variant.training.items()
+              if recipe.training.get(key) != value]
+    return ", ".join(parts) or (f"the recipe's own settings ({describe(recipe.attn, recipe.attn_options)} "
+                                f"attention, {describe(recipe.loss, recipe.loss_options)} loss)")
+
+
 def describe(name: str | None, options: dict[str, Any]) -> str:
     text = name or "default"
     return text + ("(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
@@ -258,6 +285,7 @@ def train_command(recipe: Recipe, variant_name: str | None, output: str | None, 
         final = os.path.join(root, variant.name)
         work = final + ".partial"
         note_replacement(final)
+        say(f"training {variant.name}: {changes(recipe, variant)}")
         with discard_on_failure(work):
             start_work(work, resume)
             results, _ = run_variant(recipe, variant, base, tokenizer, train_set, eval_set, labels, work, resume,
@@ -307,8 +335,7 @@ def update_results(folder: str, new: dict[str, Any]) -> None:
     path = os.path.join(folder, "results.json")
     old = {}
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            old = json.load(handle)
+        old = runner.read_json(path)
     tmp = path + ".tmp"
     runner.write_json(tmp, {**old, **new})
     os.replace(tmp, path)
@@ -339,13 +366,13 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context)
     note_replacement(final)
     start_work(work, resume)
-    results, maps, histories = [], {}, {}
-    for folder, variant in runs:
+    results, maps, histories, heldout = [], {}, {}, {}
+    for number, (folder, variant) in enumerate(runs, 1):
+        say(f"[{number}/{len(runs)}] {folder}: {changes(recipe, variant)}")
         vdir = os.path.join(work, folder)
         done = os.path.join(vdir, "results.json")
         if resume and os.path.isfile(done) and os.path.isfile(os.path.join(vdir, "variant.json")):
-            with open(done, encoding="utf-8") as handle:
-                result = json.load(handle)
+            result = runner.read_json(done)
             attention = None
             if recipe.task == "causal_lm" and is_main_process() and variant.name not in maps:
                 model = runner.load_trained(recipe, vdir).model
@@ -360,17 +387,17 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if attention is not None and variant.name not in maps:  # the heatmap shows each variant's first seed
             maps[variant.name] = attention
         if is_main_process():
-            with open(os.path.join(vdir, "log_history.json"), encoding="utf-8") as handle:
-                label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
-                histories.setdefault(variant.name, {})[label] = json.load(handle)
+            label = f"seed {result.get('seed')}" if recipe.seeds is not None else "train"
+            histories.setdefault(variant.name, {})[label] = runner.read_json(os.path.join(vdir, "log_history.json"))
+            heldout.setdefault(variant.name, {})[label] = heldout_points(result)
     seconds = time.perf_counter() - start
     firsts = [runs[0] for runs in seeds.by_variant(results).values()]  # each variant's first seed (plots)
     table = results if recipe.seeds is None else seeds.aggregate(results)
+    layer = recipe.eval.heatmap_layer % base.config.num_hidden_layers if recipe.task == "causal_lm" else 0
     if is_main_process():
         figures = ["loss_curves.png"]
-        report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"))
+        report.plot_loss_curves(histories, os.path.join(work, "loss_curves.png"), heldout)
         if maps:
-            layer = recipe.eval.heatmap_layer % base.config.num_hidden_layers
             report.plot_attention(maps, os.path.join(work, "attention_heatmap.png"), layer, recipe.eval.heatmap_head)
             figures.append("attention_heatmap.png")
             report.write_samples(results, recipe.eval.prompts, os.path.join(work, "samples.txt"))
@@ -384,8 +411,30 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if long_report.plot_passkey(results, os.path.join(work, "passkey_heatmap.png")):
             figures.append("passkey_heatmap.png")
         report.write_report(work, recipe, table, seconds, figures, runs=firsts,
-                            extra=convert_report.conversion_section(results) + long_report.section(results))
+                            extra=convert_report.conversion_section(results) + long_report.section(results),
+                            peak_rss=peak_rss(), heatmap=(layer, recipe.eval.heatmap_head))
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
     publish(work, final)
-    return {"folder": final, "seconds": round(seconds, 1), "results": table}
+    from .verdict import verdict
+
+    return {"folder": final, "seconds": round(seconds, 1), "results": table, "peak_rss": peak_rss(),
+            "verdict": verdict(table, recipe.task, peak_rss())}
+
+
+def peak_rss() -> float | None:
+    """This process's peak resident memory so far, in bytes (None where ``resource`` is missing: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1.0 if sys.platform == "darwin" else 1024.0)
+
+
+def heldout_points(result: dict[str, Any]) -> list[tuple[int, float]]:
+    """``[(step, held-out loss)]`` of one run for the loss curves: its curve points, else its final evaluation."""
+    if result.get("curve"):
+        return [(p["step"], p["eval_loss"]) for p in result["curve"]]
+    if result.get("eval_loss") is not None and result.get("steps") is not None:
+        return [(result["steps"], result["eval_loss"])]
+    return []

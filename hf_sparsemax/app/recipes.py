@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import os
 from typing import Any
 
 import yaml
+from hf_sparsemax_cli import recipe_dir, shipped_recipes as shipped_in
 
 from ..mappings import registry
 from ..settings import SparseSettings
@@ -35,14 +37,7 @@ from ..settings import SparseSettings
 TASKS = ("causal_lm", "sequence_classification")
 
 
-def _recipe_dir() -> str:
-    """The shipped recipes: package data of an installed wheel, else ``recipes/`` of a source checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    installed, checkout = os.path.join(here, "recipes"), os.path.join(here, os.pardir, os.pardir, "recipes")
-    return installed if os.path.isdir(installed) else os.path.normpath(checkout)
-
-
-RECIPE_DIR = _recipe_dir()
+RECIPE_DIR = recipe_dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shipped recipes
 
 TRAINING_DEFAULTS = {  # what a recipe's `training` starts from (TrainingArguments otherwise)
     "report_to": "none",
@@ -420,13 +415,14 @@ def check_keys(where: str, data: Any, allowed) -> None:
         raise RecipeError(f"{where} must be a mapping, got {data!r}")
     unknown = sorted(set(map(str, data)) - set(allowed))
     if unknown:
-        shown = sorted(allowed) if len(allowed) <= 20 else "the fields of its class"
-        raise RecipeError(f"unknown field(s) {unknown} in {where}: valid are {shown}")
+        guesses = [match for name in unknown for match in difflib.get_close_matches(name, sorted(allowed), n=1)]
+        hint = f" (did you mean {', '.join(map(repr, guesses))}?)" if guesses else ""
+        raise RecipeError(f"unknown field(s) {unknown} in {where}{hint}: valid are {', '.join(sorted(allowed))}")
 
 
 def shipped_recipes() -> list[str]:
     """Names of the recipes that ship inside the package (``hf-sparsemax compare <name>``)."""
-    return sorted(f.removesuffix(".yaml") for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+    return shipped_in(RECIPE_DIR)
 
 
 def resolve_path(spec: str) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+FIGURE_WIDTH = 12.0  # inches at 110 dpi: 1320 px, the widest a figure gets (the width a report is read at)
+HEATMAP_TOKENS = 32  # tokens shown per heatmap (the first ones); more become unreadable at that width
 HELD_OUT_COLUMNS = [  # (results key, header, format): a causal LM under one distribution
     ("epsilon_perplexity", "eps-perplexity", "{:.2f}"),
     ("sparsemax_score", "sparsemax score", "{:.4f}"),
@@ -27,8 +29,9 @@ CAUSAL_COLUMNS = [
     ("cross_entropy", "held-out CE", "{:.3f}"),
     *HELD_OUT_COLUMNS,
     ("sample_zero_prob_share", "sampled p=0 share", "{:.3f}"),
-    ("attention_zero_share", "attention zeros", "{:.0%}"),
-    ("train_seconds", "train s", "{:.0f}"),
+    ("heldout_attention_zero_share", "attention zeros (held-out, all heads)", "{:.0%}"),
+    ("attention_zero_share", "heatmap head zeros", "{:.0%}"),
+    ("train_cpu_seconds", "train CPU s", "{:.0f}"),
 ]
 CLASSIFICATION_COLUMNS = [
     ("final_loss", "final train loss", "{:.3f}"),
@@ -38,7 +41,7 @@ CLASSIFICATION_COLUMNS = [
     ("sparsemax_score", "sparsemax score", "{:.4f}"),
     ("zero_prob_share", "held-out p=0 share", "{:.3f}"),
     ("support_size", "mean support", "{:.2f}"),
-    ("train_seconds", "train s", "{:.0f}"),
+    ("train_cpu_seconds", "train CPU s", "{:.0f}"),
 ]
 
 
@@ -130,26 +133,37 @@ def plot_confusion(results: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
-def plot_loss_curves(histories: dict[str, dict[str, list[dict[str, Any]]]], path: str) -> None:
-    """Training loss per step, one panel per variant (the losses have different scales), one line per run.
+def plot_loss_curves(histories: dict[str, dict[str, list[dict[str, Any]]]], path: str,
+                     heldout: dict[str, dict[str, list[tuple[int, float]]]] | None = None) -> None:
+    """Training loss per step, one panel per variant (the losses have different scales), one line per run,
+    and the held-out loss (the same loss) where it was measured.
 
-    ``histories``: variant -> {line label (``"train"``, or ``"seed 1"`` ...) -> Trainer's log history}.
+    ``histories``: variant -> {line label (``"train"``, or ``"seed 1"`` ...) -> Trainer's log history};
+    its ``eval_loss`` entries (a trainer that evaluates during training) are drawn as held-out points.
+    ``heldout``: variant -> {line label -> ``[(step, held-out loss)]``}, e.g. the curve points (:mod:`.curves`)
+    or the final evaluation.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(histories), figsize=(4.2 * len(histories), 3.2), squeeze=False)
-    for ax, (name, runs) in zip(axes[0], histories.items()):
+    cols = max(1, min(len(histories), int(FIGURE_WIDTH // 4.0)))  # panels wrap at the report's width
+    rows = -(-len(histories) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(histories):]:
+        ax.axis("off")
+    for ax, (name, runs) in zip(axes.flat, histories.items()):
         for label, history in runs.items():
             steps = [e["step"] for e in history if "loss" in e]
-            ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".", label=label)
+            ax.plot(steps, [e["loss"] for e in history if "loss" in e], marker=".",
+                    label="training" if label == "train" else label)
             evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+            evals = sorted(dict(evals + list((heldout or {}).get(name, {}).get(label, []))).items())
             if evals:
-                ax.plot(*zip(*evals), marker="o", label=f"{label} held-out")
-        if len(runs) > 1 or any("eval_loss" in e for h in runs.values() for e in h):
-            ax.legend(fontsize=7)
+                ax.plot(*zip(*evals), marker="o", linestyle="--",
+                        label="held-out" if label == "train" else f"{label} held-out")
+        ax.legend(fontsize=7)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (the variant's own)")
@@ -270,22 +284,28 @@ def plot_learned_alphas(results: list[dict[str, Any]], path: str, threshold: flo
 
 
 def plot_attention(maps: dict[str, tuple[np.ndarray, list[str]]], path: str, layer: int, head: int) -> None:
-    """One heatmap per variant of the same sentence; exact zeros white."""
+    """One heatmap per variant of the same sentence (its first :data:`HEATMAP_TOKENS` tokens); exact zeros white.
+    Panels wrap into rows so the figure stays :data:`FIGURE_WIDTH` wide."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    size = max(len(tokens) for _, tokens in maps.values())
-    fig, axes = plt.subplots(1, len(maps), figsize=(max(5.0, 0.28 * size + 2) * len(maps), 0.28 * size + 2.2),
-                             squeeze=False)
+    size = min(HEATMAP_TOKENS, max(len(tokens) for _, tokens in maps.values()))
+    panel = max(3.5, 0.2 * size + 1.6)
+    cols = max(1, min(len(maps), int(FIGURE_WIDTH // panel)))
+    rows = -(-len(maps) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(panel * cols, (panel + 0.4) * rows), squeeze=False)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
-    for ax, (name, (weights, tokens)) in zip(axes[0], maps.items()):
-        image = ax.imshow(np.ma.masked_equal(weights, 0.0), cmap=cmap, vmin=0, vmax=max(float(weights.max()), 1e-9))
-        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(tokens)), tokens, fontsize=7)
-        ax.set_title(f"{name}\nlayer {layer} head {head}: {zero_share(weights):.0%} exact zeros (allowed cells)",
-                     fontsize=9)
+    for ax in axes.flat[len(maps):]:
+        ax.axis("off")
+    for ax, (name, (weights, tokens)) in zip(axes.flat, maps.items()):
+        shown = weights[:size, :size]
+        image = ax.imshow(np.ma.masked_equal(shown, 0.0), cmap=cmap, vmin=0, vmax=max(float(shown.max()), 1e-9))
+        ax.set_xticks(range(len(tokens[:size])), tokens[:size], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(tokens[:size])), tokens[:size], fontsize=7)
+        cut = f", first {size} of {len(tokens)} tokens" if len(tokens) > size else ""
+        ax.set_title(f"{name}\nlayer {layer} head {head}: {zero_share(weights):.0%} exact zeros{cut}", fontsize=8)
         fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -303,11 +323,15 @@ def write_samples(results: list[dict[str, Any]], prompts: list[str], path: str) 
 
 
 def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: float, figures: list[str],
-                 runs: list[dict[str, Any]] | None = None, extra: list[str] | None = None) -> str:
-    """report.md of a comparison; returns its path. ``runs``: per-run results (each variant's first seed) for
-    the learned alphas, ``results`` when not given; ``extra``: lines of a section of its own (the conversion's,
-    :mod:`.convert_report`), before the figures."""
-    lines = [f"# hf-sparsemax compare: recipe `{recipe.name}`", "",
+                 runs: list[dict[str, Any]] | None = None, extra: list[str] | None = None,
+                 peak_rss: float | None = None, heatmap: tuple[int, int] | None = None) -> str:
+    """report.md of a comparison; returns its path. It opens with the verdict (:mod:`.verdict`) computed from
+    the table. ``runs``: per-run results (each variant's first seed) for the learned alphas, ``results`` when
+    not given; ``extra``: lines of a section of its own (the conversion's, :mod:`.convert_report`), before the
+    figures; ``peak_rss``: the run's peak resident memory in bytes; ``heatmap``: the heatmap's (layer, head)."""
+    from .verdict import verdict
+
+    lines = [f"# hf-sparsemax compare: recipe `{recipe.name}`", "", *verdict(results, recipe.task, peak_rss),
              f"Model `{recipe.model}`, task `{recipe.task}`, data `{recipe.data.source}`"
              f"{' ' + str(recipe.data.categories) if recipe.data.categories else ''}; "
              f"{'LoRA ' + str(recipe.lora) if recipe.lora is not None else 'full fine-tuning'}; "
@@ -320,7 +344,17 @@ def write_report(folder: str, recipe, results: list[dict[str, Any]], seconds: fl
                   "blocks for every seed). Cells: mean ± sample standard deviation over the seeds (`inf` when a "
                   "seed gave `inf`); min / max and every seed's own results in `results.json` "
                   "(`spread`, `runs`).", ""]
-    lines += [results_table(results, recipe.task), ""]
+    loads = [load for r in (runs or results) for load in r.get("train_load", [])]
+    load = f" (1-minute load average while training: {min(loads):.1f}-{max(loads):.1f})" if loads else ""
+    lines += [results_table(results, recipe.task), "",
+              f"`train CPU s`: CPU seconds this process spent training the variant, over all its threads{load}; "
+              "wall-clock seconds and the load are in `results.json` (`train_seconds`, `train_load`)."
+              + (" `attention zeros (held-out, all heads)`: the share of exact zeros among the attention weights "
+                 f"of every layer and head on the first {recipe.eval.curve_blocks} held-out blocks (cells the "
+                 "causal mask allows; `eval.curve_blocks`); `heatmap head zeros`: layer "
+                 f"{(heatmap or (recipe.eval.heatmap_layer, 0))[0]}, head {recipe.eval.heatmap_head} on the "
+                 "heatmap sentence alone."
+                 if recipe.task == "causal_lm" else ""), ""]
     if recipe.task == "causal_lm":
         lines += ["Held-out metrics are computed under each model's own distribution (the mapping its loss "
                   "trains): cross-entropy is `inf` as soon as one held-out token gets probability 0; "

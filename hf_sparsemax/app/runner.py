@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -268,9 +269,40 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=custom_loss,
                       preprocess_logits_for_metrics=preprocess, compute_metrics=compute, callbacks=callbacks)
+    quiet_console(trainer, variant.name)
     trainer.hf_sparsemax_predictions = kept  # classification: filled by each evaluation (see evaluate)
     trainer.hf_sparsemax_curve = curve  # causal LM with eval.curve_every: the held-out curves (see .curves)
     return trainer
+
+
+def quiet_console(trainer, name: str) -> None:
+    """Trainer's console as a progress bar per phase with the loss in it (:func:`loss_bar`), instead of a line
+    per logging step (``{'loss': ...}``); nothing with ``training.disable_tqdm``."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if not trainer.args.disable_tqdm:
+        trainer.add_callback(loss_bar(name))
+
+
+def loss_bar(name: str):
+    """transformers' own progress bar (tqdm), named ``name``, showing the last logged losses in the bar
+    rather than printing each log entry on a line of its own."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class LossBar(ProgressCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:
+                self.training_bar.set_description(f"{name} training")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            shown = {key: f"{logs[key]:.4g}" for key in ("loss", "eval_loss") if isinstance(logs.get(key), float)}
+            if self.training_bar is not None and shown:
+                self.training_bar.set_postfix(shown, refresh=False)
+
+    return LossBar()
 
 
 def conversion_callbacks(recipe: Recipe, variant: Variant, eval_set) -> tuple[list, Any]:
@@ -320,16 +352,19 @@ def last_checkpoint(work_dir: str) -> str | None:
 
 
 def train(trainer, work_dir: str, resume: bool) -> dict[str, Any]:
-    """Train (from the last checkpoint with ``resume``) and save the model; returns train metrics."""
+    """Train (from the last checkpoint with ``resume``) and save the model; returns train metrics: wall-clock
+    ``train_seconds``, ``train_cpu_seconds`` (this process's CPU time, every thread: what the training cost,
+    less swayed by other work on the machine) and ``train_load`` (the 1-minute load average at start and end)."""
     checkpoint = last_checkpoint(work_dir) if resume else None
-    start = time.perf_counter()
+    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     trainer.save_model(os.path.join(work_dir, "model"))
     if trainer.args.should_save:
         write_json(os.path.join(work_dir, "log_history.json"), trainer.state.log_history)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return {"train_seconds": round(seconds, 1), "train_loss": result.training_loss,
+    return {"train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu, 1),
+            "train_load": [round(load, 2), round(os.getloadavg()[0], 2)], "train_loss": result.training_loss,
             "final_loss": losses[-1] if losses else None, "steps": trainer.state.global_step,
             "resumed_from": os.path.basename(checkpoint) if checkpoint else None}
 
@@ -433,8 +468,7 @@ def load_trained(recipe: Recipe, folder: str) -> TrainedVariant:
     info_path = os.path.join(folder, "variant.json")
     if not os.path.isfile(info_path):
         raise RecipeError(f"no trained variant in {folder}: run `hf-sparsemax train` (or compare) first")
-    with open(info_path, encoding="utf-8") as handle:
-        info = json.load(handle)
+    info = read_json(info_path)
     model_dir = os.path.join(folder, "model")
     tokenizer = load_tokenizer(recipe, model_dir)
     settings = info["settings"]
@@ -461,7 +495,40 @@ def fresh_copy(model):
     return copy.deepcopy(model)
 
 
+NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}  # results.json's strings for them
+
+
+def strict(data: Any) -> Any:
+    """``data`` with every non-finite float replaced by its string in :data:`NON_FINITE` (strict JSON has no
+    infinity or NaN: ``jq`` and JavaScript refuse Python's bare ``Infinity``)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "NaN" if math.isnan(data) else ("Infinity" if data > 0 else "-Infinity")
+    if isinstance(data, dict):
+        return {key: strict(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict(value) for value in data]
+    return data
+
+
+def loose(data: Any) -> Any:
+    """The inverse of :func:`strict`: the strings of :data:`NON_FINITE` back to floats."""
+    if isinstance(data, str):
+        return NON_FINITE.get(data, data)
+    if isinstance(data, dict):
+        return {key: loose(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [loose(value) for value in data]
+    return data
+
+
 def write_json(path: str, data: Any) -> None:
+    """Strict JSON (:func:`strict`: ``"Infinity"``, ``"-Infinity"``, ``"NaN"`` for the non-finite floats)."""
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True, default=str)
+        json.dump(strict(data), handle, indent=2, sort_keys=True, default=str, allow_nan=False)
         handle.write("\n")
+
+
+def read_json(path: str) -> Any:
+    """A file :func:`write_json` wrote, its non-finite numbers floats again."""
+    with open(path, encoding="utf-8") as handle:
+        return loose(json.load(handle))
