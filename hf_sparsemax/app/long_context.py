@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .._model import base_model
-from .recipes import RecipeError
+from .recipes import LongSpec, RecipeError, long_spec  # noqa: F401  (long_spec: the spec's parser, with the recipe's)
 
 BUCKETS = ((0, 512), (512, 2048), (2048, 4096), (4096, 8192))
 LOGIT_CHUNK = 1024  # positions whose logits are formed at a time (8192 x 49152 float32 logits would be 1.6 GB)
@@ -55,55 +55,6 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER = " {key}"
-
-
-@dataclasses.dataclass
-class LongSpec:
-    """``eval.long_context`` (module docstring); sizes are tokens, depths shares of the filler."""
-
-    documents: int = 1
-    length: int = 8192
-    contexts: list[int] = dataclasses.field(default_factory=lambda: [2048, 4096, 8192, 16384])
-    depths: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
-    trials: int = 20
-    rope_factor: float | None = 2.0
-    zeros_length: int = 1024
-    decode_context: int = 8192
-    decode_steps: int = 8
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("documents", "length", "trials", "zeros_length", "decode_context", "decode_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RecipeError(f"eval.long_context.{name} must be a positive integer, got {value!r}")
-        if self.length < 2 or self.zeros_length < 2:
-            raise RecipeError("eval.long_context.length and zeros_length must be at least 2 tokens")
-        if not isinstance(self.contexts, list) or not self.contexts or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 64 for c in self.contexts):
-            raise RecipeError(f"eval.long_context.contexts must be a list of token counts >= 64, got {self.contexts!r}")
-        if not isinstance(self.depths, list) or not self.depths or not all(
-                isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1 for d in self.depths):
-            raise RecipeError(f"eval.long_context.depths must be a list of shares in [0, 1], got {self.depths!r}")
-        self.depths = [float(d) for d in self.depths]
-        if self.rope_factor is not None and (isinstance(self.rope_factor, bool) or not isinstance(
-                self.rope_factor, (int, float)) or not self.rope_factor > 1):
-            raise RecipeError(f"eval.long_context.rope_factor must be a number > 1 or null, got {self.rope_factor!r}")
-
-
-def long_spec(data: Any) -> LongSpec | None:
-    """``eval.long_context`` as a :class:`LongSpec` (None when not set), or a ``RecipeError``."""
-    if data is None:
-        return None
-    if isinstance(data, LongSpec):
-        return data
-    if not isinstance(data, dict):
-        raise RecipeError(f"eval.long_context must be a mapping, got {data!r}")
-    fields = [f.name for f in dataclasses.fields(LongSpec)]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise RecipeError(f"eval.long_context: unknown field(s) {unknown}: choose from {fields}")
-    return LongSpec(**data)
 
 
 # -- positions: the model's own, or interpolated
