@@ -117,21 +117,23 @@ def test_value_heads_of_another_size_are_certified_exactly(setup, monkeypatch):
     torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-5)
 
 
-def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
-    """Keys appended one step at a time (the codes written by each call), a crop re-grown with other keys, a
-    beam reorder: every step equals the full step, and the codes equal codes written afresh (after the reorder:
-    the same codes reordered, not re-coded)."""
+def walk_with_a_crop_and_a_beam_reorder(cache, monkeypatch, after_update=lambda cache: None):
+    """Keys appended to ``cache`` one step at a time (the codes written by each call), a crop re-grown with other
+    keys, a beam reorder: every step equals the full step and the codes equal codes written afresh (after the
+    reorder: the same codes reordered, not re-coded). Returns the page summaries seen (kept alive: ids can be
+    reused) and the keys and values the cache must hold."""
     module, attn = module_for("learned", torch.float32)
     module.eval()
     q_all, k, v = inputs(2, 1, 120, seed=5)
-    cache, keys, values = cached(k[:, :, :70], v[:, :, :70])
+    cache.update(k[:, :, :70], v[:, :, :70], 0)
     g = torch.Generator().manual_seed(6)
-    position, cropped, summaries = 70, False, []  # the summaries themselves (kept alive: ids can be reused)
+    position, cropped, summaries = 70, False, []
     while position < 120:
         q = torch.randn(2, H, 1, D, generator=g) * 2
         module.layer_idx = 0
         pages.remember_cache(module, (), {"cache": cache})
         keys, values = cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
+        after_update(cache)
         with torch.no_grad():
             out = sparse_attention_forward(module, q, keys, values, None, scaling=SCALING, mapping=attn)[0]
         assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
@@ -147,6 +149,11 @@ def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
         if position == 105:
             cache.reorder_cache(torch.tensor([1, 0]))
             k, v = k.flip(0), v.flip(0)
+    return summaries, k, v
+
+
+def test_step_by_step_with_a_crop_and_a_beam_reorder(monkeypatch):
+    summaries, _, _ = walk_with_a_crop_and_a_beam_reorder(DynamicCache(), monkeypatch)
     assert len(summaries) == 2  # built once, rebuilt after the crop; the reorder reorders its codes (equal to fresh)
     assert keycodes.certified_share() > 0.5
 

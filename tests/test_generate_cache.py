@@ -10,8 +10,6 @@ DynamicCache's tokens and scores bit for bit while every decoding step reads onl
 lets a row see an unwritten slot keeps them all; rows read from a cache's strided views equal a copy's.
 """
 
-import warnings
-
 import pytest
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
@@ -22,19 +20,9 @@ from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
 from hf_sparsemax.attention import interface
 from hf_sparsemax.attention.blocked.growing_cache import GrowingCache
 from families import FAMILIES, batch, tiny_model
-from test_growing_cache import generate, prompt, tiny_llama
+from test_growing_cache import certify_from_64_keys, generate, prompt, tiny_llama  # noqa: F401  (autouse fixture)
 
 needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
-
-
-@pytest.fixture(autouse=True)
-def certify_from_64_keys(monkeypatch):
-    """The certificate from one page of keys, and every step certified (no back-off), counts from zero."""
-    monkeypatch.setattr(pages, "MIN_KEYS", 64)
-    monkeypatch.setattr(keycodes, "MIN_CERTIFIED", 0.0)
-    monkeypatch.delenv(pages.ENVIRONMENT, raising=False)
-    keycodes.reset_counts()
-    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def same(got, want) -> bool:

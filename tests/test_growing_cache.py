@@ -18,9 +18,7 @@ import hf_sparsemax as hs
 from hf_sparsemax.attention.cpu import fused
 from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
 from hf_sparsemax.attention.blocked.growing_cache import GrowingCache, GrowingLayer
-from hf_sparsemax.attention.interface import sparse_attention_forward
-from test_attention_blocks import module_for
-from test_attention_keycodes import D, H, H_KV, SCALING, assert_codes_as_written_afresh, full_step, inputs
+from test_attention_keycodes import walk_with_a_crop_and_a_beam_reorder
 
 needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
 
@@ -110,34 +108,14 @@ def test_step_by_step_through_reallocations_a_crop_and_a_beam_reorder(monkeypatc
     """A layer fed one key a step, reallocated every few steps: each step equals the full step, its codes equal
     codes written afresh, and the summary is built once (rebuilt after the crop), never per reallocation."""
     monkeypatch.setattr(growing_cache, "ROUND", 8)
-    module, attn = module_for("learned", torch.float32)
-    module.eval()
-    q_all, k, v = inputs(2, 1, 120, seed=5)
+    buffers = []  # the buffers themselves, kept alive (a freed buffer's address can be reused)
+
+    def keep_buffer(cache):
+        if not any(seen is cache.layers[0].key_buffer for seen in buffers):
+            buffers.append(cache.layers[0].key_buffer)
+
     cache = GrowingCache(growth=1.1)
-    cache.update(k[:, :, :70], v[:, :, :70], 0)
-    g = torch.Generator().manual_seed(6)
-    position, cropped, summaries, buffers = 70, False, [], set()
-    while position < 120:
-        q = torch.randn(2, H, 1, D, generator=g) * 2
-        module.layer_idx = 0
-        pages.remember_cache(module, (), {"cache": cache})
-        keys, values = cache.update(k[:, :, position : position + 1], v[:, :, position : position + 1], 0)
-        buffers.add(cache.layers[0].key_buffer.data_ptr())
-        with torch.no_grad():
-            out = sparse_attention_forward(module, q, keys, values, None, scaling=SCALING, mapping=attn)[0]
-        assert torch.equal(out, full_step(module, attn, q, keys, values, None, monkeypatch))
-        summary = getattr(cache.layers[0], pages.SUMMARY_ATTR)
-        if not any(seen is summary for seen in summaries):
-            summaries.append(summary)
-        assert_codes_as_written_afresh(summary.codes, q, keys, values)
-        position += 1
-        if position == 95 and not cropped:
-            cache.crop(-7)
-            k[:, :, 88:95] = torch.randn(2, H_KV, 7, D, generator=g)
-            position, cropped = 88, True
-        if position == 105:
-            cache.reorder_cache(torch.tensor([1, 0]))
-            k, v = k.flip(0), v.flip(0)
+    summaries, k, v = walk_with_a_crop_and_a_beam_reorder(cache, monkeypatch, after_update=keep_buffer)
     assert len(summaries) == 2 and len(buffers) >= 4  # reallocated several times, the summary carried
     assert torch.equal(cache.layers[0].keys, k[:, :, :120]) and torch.equal(cache.layers[0].values, v[:, :, :120])
 
