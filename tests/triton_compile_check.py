@@ -13,10 +13,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_decode_kernels.py")
-SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_decode.py")
-ATTENTION = os.path.join(HERE, "..", "hf_sparsemax", "attention", "_triton_kernels.py")
-ATTENTION_SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "triton_attention.py")
+SOURCE = os.path.join(HERE, "..", "hf_sparsemax", "attention", "gpu", "triton_decode_kernels.py")
+SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "gpu", "triton_decode.py")
+ATTENTION = os.path.join(HERE, "..", "hf_sparsemax", "attention", "gpu", "_triton_kernels.py")
+ATTENTION_SETTINGS = os.path.join(HERE, "..", "hf_sparsemax", "attention", "gpu", "triton_attention.py")
 
 
 def load(path, name):
