@@ -14,7 +14,8 @@ For each head the attention weights are
 
     p = mapping(softcap(q k^T * scaling) + position_bias + mask)   (+ a sink column, dropped after)
 
-and the output is ``dropout(p) v``. ``mapping`` is the library's one
+and the output is ``dropout(p) v``. Where a sparse indexer passes the keys each query may see (DeepSeek-V3.2's
+``indices``), the others are masked too (:func:`selected_keys`). ``mapping`` is the library's one
 implementation of the probability mapping (:mod:`hf_sparsemax.mappings`), so
 attention, losses and decoders share it. Masked keys (``-inf`` or
 ``finfo.min`` in the additive mask) get exactly 0; a query row with every
