@@ -167,3 +167,12 @@ def test_selected_keys_folds_the_indices_into_the_mask():
     for bad, words in ((indices.float(), "integer"), (indices[:, :2], "integer"), (indices + 5, "key 9 of 5")):
         with pytest.raises(ValueError, match=words):
             selected_keys(bad, mask, module, query, key, {})
+
+
+def test_temperature_calibration_reads_the_selection():
+    # the calibration's recorded rows and its softmax reference hold the indexer's selection in their masks
+    # (before: the recorded indices did not follow the rows it keeps, a ValueError)
+    model = tiny(spread=0.2)
+    hs.patch_model(model, attn="entmax15", attn_options={"temperature": True})
+    result = hs.calibrate_attention(model, [batch()], rounds=1)
+    assert result["error_after"] < result["error_before"]
