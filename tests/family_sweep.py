@@ -2,9 +2,10 @@
 
 Each family is WORKS (patch_model(attn="entmax15") changes the logits, gives exact zeros among the keys no mask
 hides (those the library's softmax path weighs), trains, generates with and without a cache; the library's softmax
-path equals the model's; unpatch restores it; the sparse loss swaps or is refused) or REFUSED (``patch_model`` raises one ValueError and leaves the model as it was), as
-``hf_sparsemax.attention.families.family_verdict`` predicts from the source. ``NOT_BUILT``: model types that no
-tiny config builds here, each with the reason (shown in the docs' table, never counted as checked).
+path equals the model's; unpatch restores it; the sparse loss swaps or is refused) or REFUSED (``patch_model``
+raises one ValueError and leaves the model as it was), as ``hf_sparsemax.attention.families.family_verdict``
+predicts from the source. ``NOT_BUILT``: model types that no tiny config builds here, each with the reason (shown
+in the docs' table, never counted as checked).
 Run ``python tests/family_sweep.py`` to rewrite the table in docs/attention.md.
 """
 
