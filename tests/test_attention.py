@@ -220,8 +220,8 @@ def test_grouped_query_heads_and_boolean_masks():
 
 def test_arguments_that_change_the_math_are_refused():
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="indices"):
-        sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", indices=torch.zeros(3))
+    with pytest.raises(ValueError, match="'block_indices'"):  # MiniMax-M3's block selection: not reproduced
+        sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", block_indices=torch.zeros(3))
     with pytest.raises(ValueError, match="head_mask"):
         sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", head_mask=torch.ones(2))
     out, _ = sparse_attention_forward(torch.nn.Module(), q, q, q, None, mapping="sparsemax", is_causal=True,

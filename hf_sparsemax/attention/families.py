@@ -88,10 +88,6 @@ def refusal(family: str, owner: str, reason: str) -> ValueError:
 FOUND_BY_THE_SWEEP = {  # model type -> why the family sweep (tests/test_family_sweep.py, transformers 5.24) refuses it
     "git": "hard-codes the softmax of its text decoder's self-attention (GitSelfAttention; only its vision encoder "
            "calls transformers' attention interface), so a swap would leave its text attention as it was",
-    "recurrent_gemma": "passes its attention an argument or mask the sparse attention does not reproduce (the "
-                       "library's softmax path differs from the model's own by up to 8e-3)",
-    "inkling2_text": "fails in generate under the sparse attention (an IndexError, cause not yet found)",
-    "inkling2_loop_text": "fails in generate under the sparse attention (an IndexError, cause not yet found)",
 }
 NO_ATTENTION = "has no attention (no attention softmax in any of its modules: a state-space or recurrent model)"
 HARD_CODED = "hard-codes its attention softmax instead of calling transformers' attention interface"

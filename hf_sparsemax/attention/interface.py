@@ -14,7 +14,8 @@ For each head the attention weights are
 
     p = mapping(softcap(q k^T * scaling) + position_bias + mask)   (+ a sink column, dropped after)
 
-and the output is ``dropout(p) v``. ``mapping`` is the library's one
+and the output is ``dropout(p) v``. Where a sparse indexer passes the keys each query may see (DeepSeek-V3.2's
+``indices``), the others are masked too (:func:`selected_keys`). ``mapping`` is the library's one
 implementation of the probability mapping (:mod:`hf_sparsemax.mappings`), so
 attention, losses and decoders share it. Masked keys (``-inf`` or
 ``finfo.min`` in the additive mask) get exactly 0; a query row with every
@@ -90,7 +91,9 @@ HARMLESS_KWARGS = frozenset(
     }
 )
 
-READ_KWARGS = frozenset({"sinks"})  # keyword arguments the attention applies (sinks by Inkling-2's name: attention_sinks)
+# Keyword arguments the attention applies: sinks by Inkling-2's name (attention_sinks); DeepSeek-V3.2's indexer
+# selection (indices: the keys each query may see, selected_keys).
+READ_KWARGS = frozenset({"sinks", "indices"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +276,7 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
                              position_bias=None, s_aux=None, *, mapping: str, **kwargs):
     """:func:`sparse_attention_forward` of queries already scaled (the module's query scales not applied again)."""
     s_aux = attention_sinks(s_aux, kwargs.pop("sinks", None), query)
+    attention_mask = selected_keys(kwargs.pop("indices", None), attention_mask, module, query, key, kwargs)
     layer = take_layer(module)  # the cache layer of this call (its module's pre-hook found it), or None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -350,6 +354,35 @@ def attention_sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None,
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} fit neither [heads] nor [batch, heads, "
                          f"queries, 1] for queries {tuple(query.shape)}")
     return sinks
+
+
+def selected_keys(indices: torch.Tensor | None, mask: torch.Tensor | None, module: nn.Module, query: torch.Tensor,
+                  key: torch.Tensor, kwargs: dict[str, typing.Any]) -> torch.Tensor | None:
+    """The attention mask with the keys a sparse indexer did not select masked too (DeepSeek-V3.2's lightning
+    indexer: ``indices [B, q, top_k]``, the positions of the keys each query sees; a negative index selects
+    nothing, FlashMLA's padding). Exactly what the model's eager attention does with them (its ``index_mask``):
+    a key is seen where the mask lets it through and the indexer selected it, so the mapping runs over the
+    selected keys only and the others get exactly 0. Without a mask, the causal mask the attention would have
+    applied (:func:`is_causal`) is built first. ``indices`` None: the mask as it was."""
+    if indices is None:
+        return mask
+    batch, q_len, kv = query.shape[0], query.shape[-2], key.shape[-2]
+    if (indices.dim() != 3 or indices.shape[0] not in (1, batch) or indices.shape[1] != q_len
+            or indices.dtype.is_floating_point or indices.dtype == torch.bool):
+        raise ValueError(f"indexer indices of shape {tuple(indices.shape)} ({indices.dtype}) are not integer "
+                         f"[batch, queries, top_k] for queries {tuple(query.shape)}")
+    if indices.numel() and not torch.compiler.is_compiling() and int(indices.max()) >= kv:
+        raise ValueError(f"indexer indices select key {int(indices.max())} of {kv} keys")
+    slots = torch.where(indices < 0, kv, indices.long())  # padding goes to a spare slot, cut off after
+    selected = torch.zeros(*indices.shape[:2], kv + 1, dtype=torch.bool, device=query.device)
+    selected = selected.scatter(-1, slots, True)[..., :kv].unsqueeze(1)  # [B, 1, q, kv]
+    if mask is None:
+        causal = is_causal(module, q_len, None, kwargs)
+        mask = causal_mask(0, q_len, slice(0, kv), query.dtype, query.device) if causal else selected.new_ones(())
+    mask = mask[..., :kv]
+    if mask.dtype == torch.bool:
+        return mask & selected
+    return mask.masked_fill(~selected, torch.finfo(mask.dtype).min)
 
 
 def is_causal(module: nn.Module, q_len: int, mask: torch.Tensor | None, kwargs: dict[str, typing.Any]) -> bool:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .._model import base_model
-from ..attention.interface import OPTIONS_ATTR, is_causal, mask_function, scaled_attention_forward
+from ..attention.interface import OPTIONS_ATTR, is_causal, mask_function, scaled_attention_forward, selected_keys
 from ..attention.blocked.pages import take_layer
 from ..attention.query_scale import TEMPERATURE_ATTR, apply_factor, query_factor, query_positions
 from ..settings import CONFIG_KEY, SparseSettings
@@ -73,7 +73,8 @@ RECORDING: dict[str, Any] = {}  # while capturing: "records" {module: [Record]},
 
 def capture_forward(module, query, key, value, attention_mask, **kwargs):
     """The capturing pass's attention: softmax (as the model's own), its inputs and output recorded."""
-    take_layer(module)
+    take_layer(module)  # an indexer's selection (DeepSeek-V3.2) folded into the recorded mask, as the attention does
+    attention_mask = selected_keys(kwargs.pop("indices", None), attention_mask, module, query, key, kwargs)
     reference, _ = scaled_attention_forward(SoftmaxReference(module), query, key, value, attention_mask,
                                             mapping="sparse_softmax", **kwargs)
     records = RECORDING.get("records")
