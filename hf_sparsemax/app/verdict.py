@@ -20,6 +20,8 @@ QUALITY = {  # task -> (results key, name, format, higher is better)
 }
 
 
+LOAD_SPREAD = 1.0  # 1-minute load averages further apart than this while training: the CPU-time ratios are warned of
+
 def number(row: dict[str, Any], key: str) -> tuple[float, float | None] | None:
     """``(value, standard deviation or None)`` of ``row[key]``; None when the row has no number there."""
     value = row.get(key)
@@ -108,6 +110,9 @@ def cost_sentences(results, ref, peak_rss: float | None) -> list[str]:
                                                else NOT_MEASURED))
     loads = [load for row in results for load in row.get("train_load") or []]
     load = f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} while training" if loads else ""
+    if loads and max(loads) - min(loads) > LOAD_SPREAD:
+        load += (" (the load changed while training: threads waiting for a core burn CPU time too, so these ratios "
+                 "measure the machine as much as the variants; compare them from a run on a quiet machine)")
     time = (f"**Time**: training CPU time (process CPU seconds) against `{ref['variant']}` "
             f"({shown(ref, 'train_cpu_seconds', '{:.0f}')} s): " + (", ".join(parts) or "no other variant")
             + load + ".")
