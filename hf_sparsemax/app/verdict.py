@@ -18,9 +18,8 @@ QUALITY = {  # task -> (results key, name, format, higher is better)
     "causal_lm": ("epsilon_perplexity", "epsilon-perplexity", "{:.2f}", False),
     "sequence_classification": ("macro_f1", "macro-F1", "{:.3f}", True),
 }
-
-
 LOAD_SPREAD = 1.0  # 1-minute load averages further apart than this while training: the CPU-time ratios are warned of
+
 
 def number(row: dict[str, Any], key: str) -> tuple[float, float | None] | None:
     """``(value, standard deviation or None)`` of ``row[key]``; None when the row has no number there."""
