@@ -31,6 +31,10 @@ DSA = dict(MLA, index_topk=4)  # DeepSeek-V3.2's indexer selecting 4 keys a quer
 SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                encoder_ffn_dim=128, decoder_ffn_dim=128)
 HYBRID = dict(num_hidden_layers=4)  # at least one attention layer among the linear / recurrent ones
+# hybrids whose config lays out its layers at construction (for 48 layers): a linear / recurrent layer, then attention
+LINEAR_FIRST = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # 8 heads of 16 = 2 x hidden
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
 NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rwkv": "a tiny config runs no forward",
               "xlstm": "a tiny config runs no forward",
               "git": "its own loss needs the image inputs (pixel_values) the sweep does not make"}  # built and refused at patch time, but not run
@@ -40,9 +44,21 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: DSA for t in ("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
     **{t: SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                             "pegasus", "plbart")},
-    **{t: HYBRID for t in ("bamba", "granitemoehybrid", "jamba", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
-                           "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
-                           "zamba2")},
+    **{t: HYBRID for t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+                           "qwen4_exp", "qwen4_exp_text", "recurrent_gemma")},
+    "bamba": dict(MAMBA2, attn_layer_indices=[1]), "granitemoehybrid": dict(LINEAR_FIRST, **MAMBA2),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4),
+    **{t: dict(MLA, **LINEAR_FIRST, **MOE, mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4)
+       for t in ("bailing_hybrid", "kimi_linear")},
+    "lfm3": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "sliding_attention"]),
+    "olmo_hybrid": dict(LINEAR_FIRST, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=32),
+    "zamba": dict(num_hidden_layers=2, layers_block_type=["hybrid", "hybrid"], attention_hidden_size=128,  # ties
+                  attention_head_dim=32, n_mamba_heads=2, mamba_d_state=8, mamba_dt_rank=4),  # 2+ shared blocks
+    "zamba2": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1],
+                   n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, attention_hidden_size=128, head_dim=32,
+                   chunk_size=16, kv_channels=16),
     **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie",
                                           "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
                                           "xlm-roberta-xl")},  # their causal-LM heads want a decoder
@@ -52,8 +68,6 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
 }
 NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
-    "bailing_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
-    "bamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
     "blt": "TimeoutError: slow to build (over 15 s)",
     "cohere_compass_text": "KeyError: 'full_attention'",
     "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
@@ -69,16 +83,11 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "gemma4_unified": "ValueError: The set of layer types producing a cache is different than the set of",
     "gemma4_unified_assistant": "ValueError: The set of layer types producing a cache is different than the set of",
     "gemma4_unified_text": "ValueError: The set of layer types producing a cache is different than the set of",
-    "granitemoehybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
     "hrm_text": "IndexError: list index out of range",
-    "jamba": "ValueError: get_seq_length can only be called on Attention layers, and the current",
-    "kimi_linear": "ValueError: get_seq_length can only be called on Attention layers, and the current",
     "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
-    "lfm3": "ValueError: get_seq_length can only be called on Attention layers, and the current",
     "moss_transcribe_diarize": "TimeoutError: slow to build (over 15 s)",
     "musicgen": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
     "musicgen_melody": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
-    "olmo_hybrid": "ValueError: get_seq_length can only be called on Attention layers, and the current",
     "phi4_multimodal": "TimeoutError: slow to build (over 15 s)",
     "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
     "qwen3_5_moe": "TimeoutError: slow to build (over 15 s)",
@@ -90,8 +99,6 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "whisper": "ValueError: embed_dim must be divisible by num_heads (got embed_dim: 64 and num_he",
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
     "xmod": "ValueError: Input language unknown. Please call XmodPreTrainedModel.set_default_la",
-    "zamba": "RuntimeError: The size of tensor a (7424) must match the size of tensor b (128) at n",
-    "zamba2": "ValueError: get_seq_length can only be called on Attention layers, and the current",
 }
 
 
