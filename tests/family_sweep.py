@@ -74,6 +74,7 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     **{t: GEMMA4 for t in ("gemma4_text", "gemma4_unified_text")},
     **{t: dict(text_config=GEMMA4) for t in ("gemma4", "gemma4_unified")},
 }
+DRAFTER = "a drafter: it runs on its target model's inputs_embeds and shared_kv_states (built, not run alone)"
 NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
     "blt": "TimeoutError: slow to build (over 15 s)",
     "cohere_compass_text": "KeyError: 'full_attention'",
@@ -84,8 +85,8 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "gemma3": "TimeoutError: slow to build (over 15 s)",
     "gemma3n": "ImportError: ",
     "gemma3n_text": "IndexError: list assignment index out of range",
-    "gemma4_assistant": "a drafter: its forward needs its target model's inputs_embeds and shared_kv_states (built, not run alone)",
-    "gemma4_unified_assistant": "a drafter: its forward needs its target model's inputs_embeds and shared_kv_states (built, not run alone)",
+    "gemma4_assistant": DRAFTER,
+    "gemma4_unified_assistant": DRAFTER,
     "hrm_text": "IndexError: list index out of range",
     "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
     "moss_transcribe_diarize": "TimeoutError: slow to build (over 15 s)",
