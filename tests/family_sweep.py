@@ -46,7 +46,7 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
                         "sarvam_mla", "youtu")},
     **{t: DSA for t in ("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
     **{t: SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
-                            "pegasus", "plbart")},
+                            "pegasus", "plbart", "whisper")},
     "recurrent_gemma": HYBRID, **{t: GATED_DELTA for t in ("qwen3_5", "qwen3_5_text")},
     **{t: dict(GATED_DELTA, **QWEN_MOE) for t in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
     **{t: dict(GATED_DELTA, **QWEN_MOE, layer_types=["linear_attention", "indexed_attention"],
@@ -108,7 +108,6 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "phi4_multimodal": "TimeoutError: slow to build (over 15 s)",
     "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
     "reformer": "ValueError: Make sure that config.axial_pos_embds factors: (64, 192) sum to config",
-    "whisper": "ValueError: embed_dim must be divisible by num_heads (got embed_dim: 64 and num_he",
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
     "xmod": "ValueError: Input language unknown. Please call XmodPreTrainedModel.set_default_la",
 }
