@@ -78,7 +78,8 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
                         moe_intermediate_size=32),  # 1407 floats a row: its grouped product wants 16-byte strides
     "marian": dict(SEQ2SEQ, decoder_vocab_size=256),
     **{t: dict(unpadded_vocab_size=256) for t in ("inkling2_text", "inkling2_loop_text")},  # its LM head's size
-    **{t: dict(query_pre_attn_scalar=1) for t in ("gemma3", "gemma3_text")},  # its normalised queries and keys scaled by 1/16 left no zeros
+    **{t: dict(query_pre_attn_scalar=1) for t in ("gemma3", "gemma3_text")},  # normalised queries and keys
+    # scaled by 1/16 left no zeros
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
 }
 # Gemma 4 lays out its layers (and their per-layer head sizes) at construction: set there, not after
@@ -93,6 +94,9 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     **{t: GEMMA4 for t in ("gemma4_text", "gemma4_unified_text")},
     **{t: dict(text_config=GEMMA4) for t in ("gemma4", "gemma4_unified")},
     "gemma3n_text": GEMMA3N, "gemma3": dict(vision_config=VISION, mm_tokens_per_image=4),
+    "phi4_multimodal": dict(vision_config=dict(VISION, crop_size=28), audio_config=dict(
+        hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2, ext_pw_out_channel=32,
+        depthwise_separable_out_channel=32, nemo_conv_channels=32)),  # its 24 audio blocks of 1024 too
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, sliding_window=4,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # the middle one loops
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
@@ -108,7 +112,6 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "moss_transcribe_diarize": "TimeoutError: slow to build (over 15 s)",
     "musicgen": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
     "musicgen_melody": "ValueError: Multiple valid text configs were found in the model config: ['text_enc",
-    "phi4_multimodal": "TimeoutError: slow to build (over 15 s)",
     "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
     "reformer": "ValueError: Make sure that config.axial_pos_embds factors: (64, 192) sum to config",
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
