@@ -80,6 +80,7 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: dict(unpadded_vocab_size=256) for t in ("inkling2_text", "inkling2_loop_text")},  # its LM head's size
     **{t: dict(query_pre_attn_scalar=1) for t in ("gemma3", "gemma3_text")},  # normalised queries and keys
     # scaled by 1/16 left no zeros
+    "xmod": dict(is_decoder=True, default_language="en_XX"),  # its adapters are per language: one chosen
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(is_decoder=True),
 }
 # Gemma 4 lays out its layers (and their per-layer head sizes) at construction: set there, not after
@@ -120,7 +121,6 @@ NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds a
     "prophetnet": "NotImplementedError: This model does not support the setting of num_hidden_layers. Please s",
     "reformer": "ValueError: Make sure that config.axial_pos_embds factors: (64, 192) sum to config",
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has no sequence length l",
-    "xmod": "ValueError: Input language unknown. Please call XmodPreTrainedModel.set_default_la",
 }
 
 
