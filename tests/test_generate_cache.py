@@ -20,7 +20,7 @@ from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
 from hf_sparsemax.attention import interface
 from hf_sparsemax.attention.blocked.growing_cache import GrowingCache
 from families import FAMILIES, batch, tiny_model
-from test_growing_cache import certify_from_64_keys, generate, prompt, tiny_llama  # noqa: F401  (autouse fixture)
+from test_growing_cache import CACHE, cache_of, certify_from_64_keys, generate, prompt, tiny_llama  # noqa: F401
 
 needs_kernel = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernel is not built")
 
@@ -36,12 +36,12 @@ def test_a_patched_generate_makes_a_growing_cache_with_dynamic_caches_results(at
     model = tiny_llama(attn)
     want = generate(model, DynamicCache())
     got = generate(model, None)
-    assert type(got.cache) is GrowingCache and got.cache.growth == growing_cache.GENERATE_GROWTH
-    assert all(layer.views_buffers() for layer in got.cache.layers) and len(got.cache.layers) == 2
+    assert type(cache_of(got)) is GrowingCache and cache_of(got).growth == growing_cache.GENERATE_GROWTH
+    assert all(layer.views_buffers() for layer in cache_of(got).layers) and len(cache_of(got).layers) == 2
     assert keycodes.COUNTS["calls"] > 0  # the certificate ran on the default cache's views
     assert same(got, want)
     beams = generate(model, None, num_beams=2)
-    assert type(beams.cache) is GrowingCache
+    assert type(cache_of(beams)) is GrowingCache
     assert torch.equal(beams.sequences, generate(model, DynamicCache(), num_beams=2).sequences)
 
 
@@ -55,22 +55,22 @@ def test_assisted_decoding_on_the_default_caches_crops_and_equals_greedy(monkeyp
     monkeypatch.setattr(GrowingLayer, "crop", lambda self, n, crop=GrowingLayer.crop: (crops.append(n), crop(self, n)))
     ids = prompt(batch=1)
     with torch.no_grad():
-        want = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=DynamicCache())
+        want = model.generate(**ids, max_new_tokens=12, do_sample=False, **{CACHE: DynamicCache()})
         got = model.generate(**ids, max_new_tokens=12, do_sample=False, assistant_model=assistant,
                              return_dict_in_generate=True)
-    assert type(got.cache) is GrowingCache
+    assert type(cache_of(got)) is GrowingCache
     assert torch.equal(got.sequences, want) and any(n < 0 for n in crops)
 
 
 def test_a_given_cache_or_implementation_is_kept():
     model = tiny_llama("entmax15")
     given = DynamicCache()
-    assert generate(model, given).cache is given
-    assert type(generate(model, None, cache_implementation="dynamic").cache) is DynamicCache
-    assert type(generate(model, None, cache_implementation="static").cache) is StaticCache
+    assert cache_of(generate(model, given)) is given
+    assert type(cache_of(generate(model, None, cache_implementation="dynamic"))) is DynamicCache
+    assert type(cache_of(generate(model, None, cache_implementation="static"))) is StaticCache
     hs.unpatch_model(model)
     assert "_prepare_cache_for_generation" not in vars(model)
-    assert type(generate(model, None).cache) is DynamicCache
+    assert type(cache_of(generate(model, None))) is DynamicCache
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "bart"])
@@ -81,11 +81,11 @@ def test_sliding_windows_and_encoder_decoders_keep_transformers_cache(family):
     with torch.no_grad():
         out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     if family == "bart":
-        assert type(out.cache) is EncoderDecoderCache
-        assert not isinstance(out.cache.self_attention_cache, GrowingCache)
+        assert type(cache_of(out)) is EncoderDecoderCache
+        assert not isinstance(cache_of(out).self_attention_cache, GrowingCache)
     else:
-        assert type(out.cache) is DynamicCache  # with its sliding-window layers
-        assert any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in out.cache.layers)
+        assert type(cache_of(out)) is DynamicCache  # with its sliding-window layers
+        assert any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache_of(out).layers)
 
 
 WINDOWED = {"mistral", "gemma2", "gemma3_text", "gpt_oss"}  # the sweep's configs with sliding-window layers
@@ -96,9 +96,9 @@ def test_every_causal_family_decodes_on_the_default_as_on_dynamic_cache(family):
     model = hs.patch_model(tiny_model(family), attn="entmax15")
     with torch.no_grad():
         got, want = (model.generate(**batch(family), max_new_tokens=4, do_sample=False, pad_token_id=0,
-                                    return_dict_in_generate=True, output_scores=True, cache=cache)
+                                    return_dict_in_generate=True, output_scores=True, **{CACHE: cache})
                      for cache in (None, DynamicCache(config=model.config)))
-    assert type(got.cache) is (DynamicCache if family in WINDOWED else GrowingCache)
+    assert type(cache_of(got)) is (DynamicCache if family in WINDOWED else GrowingCache)
     assert same(got, want)
 
 
@@ -110,7 +110,7 @@ def test_a_saved_patched_model_reloads_with_the_default(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     got = generate(loaded, None)
-    assert type(got.cache) is GrowingCache and same(got, want)
+    assert type(cache_of(got)) is GrowingCache and same(got, want)
 
 
 def read_lengths(monkeypatch) -> list[tuple[int, int]]:
@@ -134,9 +134,9 @@ def test_a_static_cache_reads_its_filled_slots_only_and_equals_dynamic_cache(att
     want = generate(model, DynamicCache())
     seen = read_lengths(monkeypatch)
     got = generate(model, None, cache_implementation="static")
-    assert type(got.cache) is StaticCache and same(got, want)
+    assert type(cache_of(got)) is StaticCache and same(got, want)
     length = prompt()["input_ids"].shape[1]
-    size = got.cache.layers[0].max_cache_len  # the static cache's slots
+    size = cache_of(got).layers[0].max_cache_len  # the static cache's slots
     assert size >= length + 11  # the last step fills them all
     steps = [(length + step + 1, size) for step in range(11) for _ in range(2)]  # 2 layers a step
     assert seen == steps  # every decoding step read its filled slots, never the unwritten ones

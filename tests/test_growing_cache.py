@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hf_sparsemax as hs
 from hf_sparsemax.attention.cpu import fused
@@ -50,9 +51,18 @@ def prompt(batch: int = 2, length: int = 90) -> dict:
     return dict(input_ids=ids, attention_mask=mask)
 
 
+# generate's name for the cache, in its arguments and its output: `cache` from transformers 5.24, before it
+# `past_key_values` (the lower bounds run tests/test_generate_cache.py, which takes these from here)
+CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+def cache_of(output):
+    return getattr(output, CACHE)
+
+
 def generate(model, cache, **kwargs):
     with torch.no_grad():
-        return model.generate(**prompt(), max_new_tokens=12, do_sample=False, cache=cache, output_scores=True,
+        return model.generate(**prompt(), max_new_tokens=12, do_sample=False, **{CACHE: cache}, output_scores=True,
                               return_dict_in_generate=True, **kwargs)
 
 

@@ -158,6 +158,9 @@ class GrowingCache(Cache):
         return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
+CACHE_KEYS = ("cache", "past_key_values")  # generate's name for the cache: `cache` from transformers 5.24, before it
+
+
 def replaceable(model, generation_config, cache) -> bool:
     """Whether ``cache``, the one transformers' ``generate`` just made for ``model`` (none given), is a plain
     ``DynamicCache`` a :class:`GrowingCache` is exact for: every layer a ``DynamicLayer`` (made lazily or from the
@@ -173,10 +176,11 @@ def replaceable(model, generation_config, cache) -> bool:
 def prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
     """A patched model's ``_prepare_cache_for_generation`` (an instance method, module docstring): transformers'
     own, then its new ``DynamicCache`` replaced by a ``GrowingCache`` where :func:`replaceable` says so."""
-    given = model_kwargs.get("cache") is not None
+    given = any(model_kwargs.get(key) is not None for key in CACHE_KEYS)
     result = type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
-    if not given and replaceable(self, generation_config, model_kwargs.get("cache")):
-        cache = model_kwargs["cache"] = GrowingCache(GENERATE_GROWTH)
+    made = next((key for key in CACHE_KEYS if model_kwargs.get(key) is not None), None)
+    if not given and made is not None and replaceable(self, generation_config, model_kwargs[made]):
+        cache = model_kwargs[made] = GrowingCache(GENERATE_GROWTH)
         if generation_config.is_assistant:  # as transformers does for its own (crops come back to this cache)
             cache.activate_past_recording()
     return result
