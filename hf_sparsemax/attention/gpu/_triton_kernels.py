@@ -233,6 +233,14 @@ def _finish(acc, mass, dead, m, tau, am1, norm_tolerance, O, T, b, h, pid_bh, of
     tl.store(T + pid_bh * n_q + offs_m, t, mask=row)
 
 
+@device_function
+def _head_alpha(ALPHA, h):
+    """``(alpha, am1, beta)`` of query head ``h``: its alpha, ``alpha - 1`` and ``1 / (alpha - 1)``."""
+    alpha = tl.load(ALPHA + h).to(tl.float32)
+    am1 = alpha - 1.0
+    return alpha, am1, 1.0 / am1
+
+
 @triton.jit
 def attention_forward(
     Q, K, V, M, ALPHA, O, T, LIVE, TMAX, LIST, WORK,
@@ -256,9 +264,7 @@ def attention_forward(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    alpha = tl.load(ALPHA + h).to(tl.float32)
-    am1 = alpha - 1.0
-    beta = 1.0 / am1
+    alpha, am1, beta = _head_alpha(ALPHA, h)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     offs_dv = tl.arange(0, HEAD_DV)
@@ -377,6 +383,17 @@ def attention_forward(
 
 
 @device_function
+def _query_rows(Q, DO, T, b, h, bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd):
+    """The backward's ``(q, dO, t)`` of one block of query rows of head ``h`` (``bh`` its row of ``T``): rows past
+    ``n_q`` read as zeros, their ``t`` as ``+inf`` (no weight)."""
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd, mask=row[:, None],
+                 other=0.0)
+    t = tl.load(T + bh * n_q + offs_m, mask=row, other=float("inf"))
+    return q, do, t
+
+
+@device_function
 def _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, offs_b, offs_d, offs_dv, t, alpha, am1, beta, n_q, n_kv,
           skn, skd, svn, svd, smb, smh, smm, smn, scaling, mask_floor,
           HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
@@ -409,18 +426,14 @@ def attention_backward_rows(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    alpha = tl.load(ALPHA + h).to(tl.float32)
-    am1 = alpha - 1.0
-    beta = 1.0 / am1
+    alpha, am1, beta = _head_alpha(ALPHA, h)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
     row = offs_m < n_q
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd, mask=row[:, None],
-                 other=0.0)
-    t = tl.load(T + pid_bh * n_q + offs_m, mask=row, other=float("inf"))
+    q, do, t = _query_rows(Q, DO, T, b, h, pid_bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh,
+                           sdm, sdd)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     hi = n_kv
@@ -469,18 +482,14 @@ def attention_backward_q(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
-    alpha = tl.load(ALPHA + h).to(tl.float32)
-    am1 = alpha - 1.0
-    beta = 1.0 / am1
+    alpha, am1, beta = _head_alpha(ALPHA, h)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
     row = offs_m < n_q
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd, mask=row[:, None],
-                 other=0.0)
-    t = tl.load(T + pid_bh * n_q + offs_m, mask=row, other=float("inf"))
+    q, do, t = _query_rows(Q, DO, T, b, h, pid_bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh,
+                           sdm, sdd)
     delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=row, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -534,9 +543,7 @@ def attention_backward_kv(
         lo = (start_n // BLOCK_M) * BLOCK_M
     for group in range(0, G):
         h = hk * G + group
-        alpha = tl.load(ALPHA + h).to(tl.float32)
-        am1 = alpha - 1.0
-        beta = 1.0 / am1
+        alpha, am1, beta = _head_alpha(ALPHA, h)
         bh = b * H + h
         column = LIVE + bh * n_mblocks * n_nblocks + pid_n  # this key block's bits, one a block of queries
         flag = tl.load(column + (lo // BLOCK_M) * n_nblocks, mask=lo < n_q, other=0)
@@ -545,11 +552,8 @@ def attention_backward_kv(
             if flag != 0:
                 offs_m = start_m + offs_b
                 row = offs_m < n_q
-                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row[:, None],
-                            other=0.0)
-                do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
-                             mask=row[:, None], other=0.0)
-                t = tl.load(T + bh * n_q + offs_m, mask=row, other=float("inf"))
+                q, do, t = _query_rows(Q, DO, T, b, h, bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb,
+                                       sdh, sdm, sdd)
                 delta = tl.load(DELTA + bh * n_q + offs_m, mask=row, other=0.0)
                 k, v, p, s, g, u = _tile(q, do, k_base, v_base, M, b, h, offs_m, start_n, tl.arange(0, BLOCK_N),
                                          offs_d, offs_dv, t, alpha, am1, beta, n_q, n_kv, skn, skd, svn, svd, smb,
