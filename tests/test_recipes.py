@@ -479,6 +479,9 @@ def test_the_console_shows_a_progress_bar_with_the_loss_and_each_warning_once(ti
         printed.out
     bar = printed.err.replace("\r", "\n")
     assert "top3 training: 100%" in bar and "loss=" in bar  # tqdm, the last logged loss in the bar
+    bars = [line for line in bar.splitlines() if "%|" in line]
+    assert any(line.startswith("top3 evaluation: ") for line in bars)  # Trainer's evaluation bar, named too
+    assert not [line for line in bars if line.lstrip()[:1].isdigit()], bars  # no bar without a name
     assert "{'loss'" not in printed.out + printed.err and "'train_runtime'" not in printed.out + printed.err
 
 

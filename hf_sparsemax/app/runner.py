@@ -287,15 +287,23 @@ def quiet_console(trainer, name: str) -> None:
 
 
 def loss_bar(name: str):
-    """transformers' own progress bar (tqdm), named ``name``, showing the last logged losses in the bar
-    rather than printing each log entry on a line of its own."""
+    """transformers' own progress bars (tqdm), named ``name training`` / ``name evaluation``, showing the last
+    logged losses in the training bar rather than printing each log entry on a line of its own."""
+    from tqdm.auto import tqdm
     from transformers.trainer_callback import ProgressCallback
+    from transformers.trainer_utils import has_length
 
-    class LossBar(ProgressCallback):
+    class LossBar(ProgressCallback):  # each bar made with its name, so that its first line shows it too
         def on_train_begin(self, args, state, control, **kwargs):
-            super().on_train_begin(args, state, control, **kwargs)
-            if self.training_bar is not None:
-                self.training_bar.set_description(f"{name} training")
+            if state.is_world_process_zero:
+                self.training_bar = tqdm(total=state.max_steps, desc=f"{name} training", dynamic_ncols=True)
+            self.current_step = 0
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            if self.prediction_bar is None and state.is_world_process_zero and has_length(eval_dataloader):
+                self.prediction_bar = tqdm(total=len(eval_dataloader), desc=f"{name} evaluation",
+                                           leave=self.training_bar is None, dynamic_ncols=True)
+            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             shown = {key: f"{logs[key]:.4g}" for key in ("loss", "eval_loss") if isinstance(logs.get(key), float)}
