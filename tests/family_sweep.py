@@ -18,6 +18,7 @@ import sys
 
 import torch
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_sparsemax as hs
 from hf_sparsemax.attention.families import family_verdict
@@ -42,6 +43,13 @@ MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rwkv": "a tiny config runs no forward",
               "xlstm": "a tiny config runs no forward",
               "git": "its own loss needs the image inputs (pixel_values) the sweep does not make"}  # built and refused at patch time, but not run
+# MusicGen's causal-LM class is its decoder alone: built from that part of the composite config (text encoder, audio
+# encoder, decoder), with 1 codebook. Its tokens pad with the vocabulary's size (the released checkpoints: 2048, the
+# embedding's extra row, never predicted), and its own generate (a delay pattern over the codebooks) needs that as
+# decoder_start_token_id and num_return_sequences given: transformers 5.24's generation config leaves it None
+PART = {t: "decoder" for t in ("musicgen", "musicgen_melody")}  # model type -> the sub-config its class takes
+MUSICGEN = dict(ffn_dim=128, num_codebooks=1, pad_token_id=256, bos_token_id=256, decoder_start_token_id=256)
+GENERATE = {t: dict(pad_token_id=256, decoder_start_token_id=256, num_return_sequences=1) for t in PART}
 TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: MLA for t in ("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3",
                         "sarvam_mla", "youtu")},
@@ -84,6 +92,7 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     "prophetnet": dict(num_encoder_layers=2, num_decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
                        num_encoder_attention_heads=4, num_decoder_attention_heads=4), "xlnet": dict(d_inner=128),
     "xmod": dict(is_decoder=True, default_language="en_XX"),  # its adapters are per language: one chosen
+    **{t: MUSICGEN for t in PART},
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "reformer": dict(
         is_decoder=True, attn_layers=("local", "lsh"), attention_head_size=16, feed_forward_size=128, num_buckets=2,
         axial_pos_shape=(8, 16), axial_pos_embds_dim=(16, 48), local_attn_chunk_length=4, lsh_attn_chunk_length=4),
@@ -116,15 +125,11 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),  # its modeling
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),  # reads rope_theta, clamps qkv
 }
-MUSICGEN = ("its causal-LM class takes the composite config's decoder: so built (1 codebook), logits, zeros and "
-            "backward pass and its codebook generate (delay pattern) fails")
 DRAFTER = "a drafter: it runs on its target model's inputs_embeds and shared_kv_states (built, not run alone)"
 NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
     "gemma3n": "ImportError: its vision tower needs the timm library, not installed here",
     "gemma4_assistant": DRAFTER,
     "gemma4_unified_assistant": DRAFTER,
-    "musicgen": MUSICGEN,
-    "musicgen_melody": MUSICGEN,
 }
 
 
@@ -139,14 +144,13 @@ KEY_SCALE = {"ZayaQKNorm": "temp"}  # learned key scales that start at 0 (every 
 
 
 def causal_lm_types() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def build(model_type: str):
     """A tiny random float32 model of ``model_type`` in eval mode, eager attention."""
     config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(CONSTRUCT.get(model_type, {})))
+    config = getattr(config, PART[model_type]) if model_type in PART else config
     for part in {id(c): c for c in (config, config.get_text_config())}.values():
         for name, value in {**BASE, **TWEAKS.get(model_type, {})}.items():
             try:
@@ -154,7 +158,11 @@ def build(model_type: str):
             except (AttributeError, TypeError, ValueError, NotImplementedError):
                 pass  # a config without that setting (or refusing it: prophetnet's layers, xlnet's length)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if model_type in PART:  # the part's own model type (musicgen_decoder) is not one of the causal-LM mapping's
+        model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(
+            config, attn_implementation="eager").eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ in KEY_SCALE:
@@ -182,10 +190,10 @@ def attention_weights(model, batch) -> list[torch.Tensor]:
     return weights
 
 
-def check_works(model, batch) -> None:
+def check_works(model, batch, model_type: str) -> None:
     """Every step of a family that patches (AssertionError on the first that fails)."""
     own = reference = logits(model, batch)
-    if model.config.model_type in SDPA_REFERENCE:
+    if model_type in SDPA_REFERENCE:
         model.set_attn_implementation("sdpa")
         reference = logits(model, batch)
         model.set_attn_implementation("eager")
@@ -207,18 +215,22 @@ def check_works(model, batch) -> None:
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()), "no gradient"
     model.eval()
     prompt = {k: v[:1] for k, v in batch.items()}
-    cached = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0)
-    fresh = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=False, pad_token_id=0)
-    assert cached.shape == fresh.shape == (1, prompt["input_ids"].shape[1] + 2)
+    options = GENERATE.get(model_type, dict(pad_token_id=0))
+    cached = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=True, **options)
+    fresh = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=False, **options)
+    # MusicGen's delay pattern puts its start token in the prompt's first place and returns [batch, codebooks, length]
+    # without it
+    length = prompt["input_ids"].shape[1] + 2
+    assert cached.shape == fresh.shape == ((1, 1, length - 1) if model_type in PART else (1, length))
     hs.unpatch_model(model)
     torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
 
 
-def check_loss(model, batch) -> str:
+def check_loss(model, batch, model_type: str) -> str:
     """``patch_model(loss="sparsemax")``: WORKS (a finite loss other than cross-entropy) or REFUSED."""
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    with torch.no_grad():
-        own = model(**batch, labels=labels).loss
+    with torch.no_grad():  # MusicGen's labels: [batch, length, codebooks]
+        own = model(**batch, labels=labels[..., None] if model_type in PART else labels).loss
     try:
         hs.patch_model(model, loss="sparsemax")
     except ValueError:
@@ -243,12 +255,12 @@ def sweep(model_type: str) -> tuple[str, str]:
     except ValueError:
         assert model.config._attn_implementation == "eager", "a refused patch changed the model"
         assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
-        return "REFUSED", "not run" if model_type in NO_FORWARD else check_loss(fresh, batch)
+        return "REFUSED", "not run" if model_type in NO_FORWARD else check_loss(fresh, batch, model_type)
     else:
         hs.unpatch_model(model)
-        check_works(model, batch)
+        check_works(model, batch, model_type)
         attention = "WORKS"
-    return attention, check_loss(fresh, batch)
+    return attention, check_loss(fresh, batch, model_type)
 
 
 TABLE_START, TABLE_END = "<!-- family table: start -->", "<!-- family table: end -->"
