@@ -125,11 +125,14 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),  # its modeling
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),  # reads rope_theta, clamps qkv
 }
-DRAFTER = "a drafter: it runs on its target model's inputs_embeds and shared_kv_states (built, not run alone)"
+# Gemma 4's drafters run on their target's outputs (transformers' SinglePositionMultiTokenCandidateGenerator): each
+# token's embedding beside the target's last hidden state (inputs_embeds) and the target's keys and values
+# (shared_kv_states), every layer of theirs reading those. Checked on such inputs, and drafting for their target
+DRAFTERS = {"gemma4_assistant": "gemma4_text", "gemma4_unified_assistant": "gemma4_unified_text"}  # -> its target
+CONSTRUCT.update({t: dict(text_config=dict(GEMMA4, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
+                          backbone_hidden_size=BASE["hidden_size"]) for t in DRAFTERS})  # no per-layer inputs
 NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
     "gemma3n": "ImportError: its vision tower needs the timm library, not installed here",
-    "gemma4_assistant": DRAFTER,
-    "gemma4_unified_assistant": DRAFTER,
 }
 
 
@@ -163,6 +166,8 @@ def build(model_type: str):
             config, attn_implementation="eager").eval()
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if model_type in DRAFTERS:  # tokens drafted a round: transformers 5.24 leaves it None, and its drafting fails
+        model.generation_config.num_assistant_tokens = 2
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ in KEY_SCALE:
@@ -178,6 +183,18 @@ def inputs(length: int = 8) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def drafter_inputs(target, batch) -> dict:
+    """A drafter's inputs for its first token, as transformers' candidate generator makes them from ``target``'s
+    outputs on ``batch``: one query, the last token's embedding beside the target's last hidden state there (more
+    queries a forward fail in transformers 5.24: Gemma 4 slices per-layer inputs the drafter does not have)."""
+    with torch.no_grad():
+        out = target(**batch, output_hidden_states=True, return_shared_kv_states=True)
+    ids, length = batch["input_ids"][:, -1:], batch["input_ids"].shape[1]
+    embeds = torch.cat([target.get_input_embeddings()(ids), out.hidden_states[-1][:, -1:]], dim=-1)
+    return dict(inputs_embeds=embeds, attention_mask=batch["attention_mask"], shared_kv_states=out.shared_kv_states,
+                position_ids=torch.full((ids.shape[0], 1), length - 1))
+
+
 def logits(model, batch) -> torch.Tensor:
     with torch.no_grad():
         return model(**batch).logits
@@ -190,7 +207,7 @@ def attention_weights(model, batch) -> list[torch.Tensor]:
     return weights
 
 
-def check_works(model, batch, model_type: str) -> None:
+def check_works(model, batch, model_type: str, target=None) -> None:
     """Every step of a family that patches (AssertionError on the first that fails)."""
     own = reference = logits(model, batch)
     if model_type in SDPA_REFERENCE:
@@ -198,7 +215,8 @@ def check_works(model, batch, model_type: str) -> None:
         reference = logits(model, batch)
         model.set_attn_implementation("eager")
     hs.patch_model(model, attn="sparse_softmax")  # no cut: softmax through the library's path
-    real = batch["attention_mask"].bool()  # padded positions: eager spreads them evenly, the library zeroes them
+    # padded positions: eager spreads them evenly, the library zeroes them (a drafter: its queries are the last ones)
+    real = batch["attention_mask"].bool()[:, -reference.shape[1]:]
     torch.testing.assert_close(logits(model, batch)[real], reference[real], atol=2e-5, rtol=1e-4)
     # the keys no mask hides (causal, padding, window, an indexer's selection): where softmax weighs them
     unmasked = [w > 0 for w in attention_weights(model, batch)]
@@ -214,7 +232,23 @@ def check_works(model, batch, model_type: str) -> None:
     out.logits.float().square().mean().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()), "no gradient"
     model.eval()
-    prompt = {k: v[:1] for k, v in batch.items()}
+    check_generate(model, model_type, target)
+    hs.unpatch_model(model)
+    torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
+
+
+def check_generate(model, model_type: str, target=None) -> None:
+    """``generate`` with and without a cache; a drafter drafts for its ``target`` (greedy: the target's tokens)."""
+    prompt = {k: v[:1] for k, v in inputs().items()}
+    if target is not None:
+        calls = []
+        hook = model.register_forward_hook(lambda *args: calls.append(1))
+        assisted = target.generate(**prompt, assistant_model=model, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        hook.remove()
+        assert calls, "the drafter drafted nothing"
+        plain = target.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(assisted, plain), "greedy assisted decoding changed the target's tokens"
+        return
     options = GENERATE.get(model_type, dict(pad_token_id=0))
     cached = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=True, **options)
     fresh = model.generate(**prompt, max_new_tokens=2, do_sample=False, use_cache=False, **options)
@@ -222,12 +256,16 @@ def check_works(model, batch, model_type: str) -> None:
     # without it
     length = prompt["input_ids"].shape[1] + 2
     assert cached.shape == fresh.shape == ((1, 1, length - 1) if model_type in PART else (1, length))
-    hs.unpatch_model(model)
-    torch.testing.assert_close(logits(model, batch), own, atol=0, rtol=0)
 
 
 def check_loss(model, batch, model_type: str) -> str:
     """``patch_model(loss="sparsemax")``: WORKS (a finite loss other than cross-entropy) or REFUSED."""
+    if model_type in DRAFTERS:  # no loss: its forward takes no labels, so a swapped loss would never run
+        try:
+            hs.patch_model(model, loss="sparsemax")
+        except ValueError:
+            return "REFUSED"
+        raise AssertionError("the loss of a model that computes none was swapped")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     with torch.no_grad():  # MusicGen's labels: [batch, length, codebooks]
         own = model(**batch, labels=labels[..., None] if model_type in PART else labels).loss
@@ -247,7 +285,10 @@ def check_loss(model, batch, model_type: str) -> str:
 
 def sweep(model_type: str) -> tuple[str, str]:
     """``(attention outcome, loss outcome)`` of one family; AssertionError / any other error: a failing row."""
-    model, batch = build(model_type), inputs()
+    model, batch, target = build(model_type), inputs(), None
+    if model_type in DRAFTERS:
+        target = build(DRAFTERS[model_type])
+        batch = drafter_inputs(target, batch)
     fresh = copy.deepcopy(model)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     try:
@@ -258,7 +299,7 @@ def sweep(model_type: str) -> tuple[str, str]:
         return "REFUSED", "not run" if model_type in NO_FORWARD else check_loss(fresh, batch, model_type)
     else:
         hs.unpatch_model(model)
-        check_works(model, batch, model_type)
+        check_works(model, batch, model_type, target)
         attention = "WORKS"
     return attention, check_loss(fresh, batch, model_type)
 
