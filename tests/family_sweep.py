@@ -5,12 +5,15 @@ hides (those the library's softmax path weighs), trains, generates with and with
 path equals the model's; unpatch restores it; the sparse loss swaps or is refused) or REFUSED (``patch_model``
 raises one ValueError and leaves the model as it was), as ``hf_sparsemax.attention.families.family_verdict``
 predicts from the source. ``NOT_BUILT``: model types that no tiny config builds here, each with the reason (shown
-in the docs' table, never counted as checked).
+in the docs' table, never counted as checked; none with transformers 5.24). ``NOTES``: how a family was built where
+it is not plainly (a stand-in for an uninstalled library's vision tower, a composite's part, a drafter beside its
+target), shown in the table too.
 Run ``python tests/family_sweep.py`` to rewrite the table in docs/attention.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -18,6 +21,7 @@ import sys
 
 import torch
 import transformers
+from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_sparsemax as hs
@@ -71,7 +75,8 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=32, num_dense_layers=1),
     "dory": dict(num_hidden_layers=3),
-    "gemma3n_text": dict(num_hidden_layers=4, intermediate_size=[128] * 4),  # as constructed: BASE sets 2 and 128
+    **{t: dict(num_hidden_layers=4, intermediate_size=[128] * 4) for t in ("gemma3n", "gemma3n_text")},  # as
+    # constructed: BASE sets 2 and 128
     "lfm3": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "sliding_attention"]),
     "olmo_hybrid": dict(LINEAR_FIRST, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
                         linear_value_head_dim=32),
@@ -114,6 +119,8 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
                 global_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128),
                 encoder_hash_byte_group_vocab=64),  # 6 hash tables of 500002 x 1024 took over 15 s to build
     "gemma3n_text": GEMMA3N, "gemma3": dict(vision_config=VISION, mm_tokens_per_image=4),
+    "gemma3n": dict(text_config=GEMMA3N, vision_config=dict(hidden_size=32), audio_config=dict(
+        hidden_size=32, conf_num_hidden_layers=1, conf_num_attention_heads=2, sscp_conv_channel_size=[8, 8])),
     "phi4_multimodal": dict(vision_config=dict(VISION, crop_size=28), audio_config=dict(
         hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2, ext_pw_out_channel=32,
         depthwise_separable_out_channel=32, nemo_conv_channels=32)),  # its 24 audio blocks of 1024 too
@@ -131,8 +138,28 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
 DRAFTERS = {"gemma4_assistant": "gemma4_text", "gemma4_unified_assistant": "gemma4_unified_text"}  # -> its target
 CONSTRUCT.update({t: dict(text_config=dict(GEMMA4, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
                           backbone_hidden_size=BASE["hidden_size"]) for t in DRAFTERS})  # no per-layer inputs
-NOT_BUILT: dict[str, str] = {  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
-    "gemma3n": "ImportError: its vision tower needs the timm library, not installed here",
+NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
+
+
+class NoVisionTower(nn.Module):
+    """Stands in for a vision tower built by a library not installed here (Gemma 3n's: timm); the sweep's text
+    inputs never reach it, and a call says so."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the family sweep built this model without its vision tower (timm is not installed)")
+
+
+STAND_IN = {"gemma3n": "Gemma3nVisionConfig"}  # model type -> the config class of the sub-model NoVisionTower replaces
+NOTES = {  # model type -> how it was built or what a swap leaves, where the table should say so
+    "gemma3n": "built without its vision tower (`TimmWrapperModel`, whose construction requires timm: not installed "
+               "here), which text inputs never reach; the swap serves its text decoder, and its audio encoder "
+               "(`Gemma3nAudioAttention`) keeps the softmax it hard-codes",
+    **{t: "built from its composite config's decoder (its causal-LM class is the decoder alone), 1 codebook; its "
+          "`generate` needs `decoder_start_token_id` and `num_return_sequences` given (transformers 5.24 fails "
+          "without them, patched or not)" for t in PART},
+    **{t: f"a drafter: checked on its target's (`{target}`) outputs, and drafting for it in assisted `generate`; "
+          "its `num_assistant_tokens` set (transformers 5.24 leaves it None and drafting fails)"
+       for t, target in DRAFTERS.items()},
 }
 
 
@@ -150,6 +177,20 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+@contextlib.contextmanager
+def stand_in(config_class: str | None):
+    """While it is open, ``AutoModel.from_config`` builds a :class:`NoVisionTower` for a config of ``config_class``."""
+    auto = transformers.AutoModel
+    own, original = vars(auto)["from_config"], auto.from_config  # its own classmethod, and that bound to it
+    if config_class is not None:
+        auto.from_config = lambda config, **kwargs: (
+            NoVisionTower() if type(config).__name__ == config_class else original(config, **kwargs))
+    try:
+        yield
+    finally:
+        auto.from_config = own
+
+
 def build(model_type: str):
     """A tiny random float32 model of ``model_type`` in eval mode, eager attention."""
     config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(CONSTRUCT.get(model_type, {})))
@@ -161,11 +202,12 @@ def build(model_type: str):
             except (AttributeError, TypeError, ValueError, NotImplementedError):
                 pass  # a config without that setting (or refusing it: prophetnet's layers, xlnet's length)
     torch.manual_seed(0)
-    if model_type in PART:  # the part's own model type (musicgen_decoder) is not one of the causal-LM mapping's
-        model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(
-            config, attn_implementation="eager").eval()
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with stand_in(STAND_IN.get(model_type)):
+        if model_type in PART:  # the part's own model type (musicgen_decoder) is not one of the causal-LM mapping's
+            model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(
+                config, attn_implementation="eager").eval()
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     if model_type in DRAFTERS:  # tokens drafted a round: transformers 5.24 leaves it None, and its drafting fails
         model.generation_config.num_assistant_tokens = 2
     with torch.no_grad():
@@ -312,13 +354,13 @@ def table() -> str:
     rows = [f"Checked with transformers {transformers.__version__} by `tests/test_family_sweep.py` (every causal-LM "
             "model type, tiny random configs). WORKS: `patch_model(attn=...)` serves it; REFUSED: `patch_model` "
             "raises a `ValueError` saying why, and the model is left as it was.", "",
-            "| model type | attention | why refused |", "| --- | --- | --- |"]
+            "| model type | attention | why refused (or how it was built) |", "| --- | --- | --- |"]
     for model_type in causal_lm_types():
         if model_type in NOT_BUILT:
             rows.append(f"| `{model_type}` | not built | {NOT_BUILT[model_type]} |")
             continue
         reason = family_verdict(model_type)
-        rows.append(f"| `{model_type}` | {'REFUSED' if reason else 'WORKS'} | {reason or ''} |")
+        rows.append(f"| `{model_type}` | {'REFUSED' if reason else 'WORKS'} | {reason or NOTES.get(model_type, '')} |")
     return "\n".join(rows)
 
 
