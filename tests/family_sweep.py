@@ -44,6 +44,13 @@ GATED_DELTA = dict(LINEAR_FIRST, linear_num_key_heads=2, linear_num_value_heads=
                    linear_value_head_dim=16)  # Qwen's linear attention: 32 value heads of 128 took 20 s a family
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
+# A released model's experts (up to 512 of 2048 wide, and LongCat's 256 identity "zero experts"): each of these
+# settings a config already has (not None) is set, so that no tiny mixture of experts holds more than ~3M weights
+# (LongCat-Flash held 269M and took 112 s of the sweep, Inkling 307M)
+SMALL = dict(n_routed_experts=4, num_experts=4, num_local_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+             moe_topk=2, moe_k=2, zero_expert_num=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+             expert_ffn_hidden_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
+             moe_shared_expert_intermediate_size=32, shared_intermediate_size=32)
 NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rwkv": "a tiny config runs no forward",
               "xlstm": "a tiny config runs no forward",
               "git": "its own loss needs the image inputs (pixel_values) the sweep does not make"}  # built and refused at patch time, but not run
@@ -60,12 +67,16 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
     **{t: DSA for t in ("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
     **{t: SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                             "pegasus", "plbart", "whisper")},
-    "recurrent_gemma": HYBRID, **{t: GATED_DELTA for t in ("qwen3_5", "qwen3_5_text")},
+    "recurrent_gemma": dict(HYBRID, lru_width=64), **{t: GATED_DELTA for t in ("qwen3_5", "qwen3_5_text")},
     **{t: dict(GATED_DELTA, **QWEN_MOE) for t in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
     **{t: dict(GATED_DELTA, **QWEN_MOE, layer_types=["linear_attention", "indexed_attention"],
                indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
                hc_lowrank=16) for t in ("qwen4_exp", "qwen4_exp_text")},  # its indexer picks 2 blocks of 2 keys
-    "bamba": dict(MAMBA2, attn_layer_indices=[1]), "granitemoehybrid": dict(LINEAR_FIRST, **MAMBA2),
+    "bamba": dict(MAMBA2, attn_layer_indices=[1]),
+    # their Mamba-2 layers as released (128 heads, states of 128 / 256, chunks of 256) took 2-3 s a forward
+    "falcon_h1": dict(MAMBA2, mamba_d_ssm=128, mamba_n_groups=1),
+    "nemotron_h": dict(ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=1, chunk_size=16),
+    "granitemoehybrid": dict(LINEAR_FIRST, **MAMBA2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4),
     **{t: dict(MLA, **LINEAR_FIRST, **MOE, mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4)
@@ -86,11 +97,12 @@ TWEAKS: dict[str, dict] = {  # model type -> config changes on top of BASE
                    n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, attention_hidden_size=128, head_dim=32,
                    chunk_size=16, kv_channels=16),
     **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie",
-                                          "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
+                                          "roberta", "roberta-prelayernorm", "xlm-roberta",
                                           "xlm-roberta-xl")},  # their causal-LM heads want a decoder
     "deepseek_v2": dict(MLA, n_group=1, topk_group=1, num_experts_per_tok=2, n_routed_experts=4,
                         moe_intermediate_size=32),  # 1407 floats a row: its grouped product wants 16-byte strides
     "marian": dict(SEQ2SEQ, decoder_vocab_size=256),
+    "roc_bert": dict(is_decoder=True, shape_embed_dim=16, pronunciation_embed_dim=16),  # 24858 x 512 glyph shapes
     **{t: dict(unpadded_vocab_size=256) for t in ("inkling2_text", "inkling2_loop_text")},  # its LM head's size
     **{t: dict(query_pre_attn_scalar=1) for t in ("gemma3", "gemma3_text")},  # normalised queries and keys
     # scaled by 1/16 left no zeros
@@ -119,6 +131,10 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
                 global_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128),
                 encoder_hash_byte_group_vocab=64),  # 6 hash tables of 500002 x 1024 took over 15 s to build
     "gemma3n_text": GEMMA3N, "gemma3": dict(vision_config=VISION, mm_tokens_per_image=4),
+    "git": dict(vision_config=VISION),  # its CLIP encoder: 12 layers of 768
+    "got_ocr2": dict(vision_config=dict(hidden_size=32, output_channels=32, num_hidden_layers=2, num_attention_heads=2,
+                                        image_size=64, patch_size=16, window_size=2, global_attn_indexes=[1],
+                                        mlp_dim=64)),  # its SAM encoder: 12 layers of 768 on 1024 x 1024 images
     "gemma3n": dict(text_config=GEMMA3N, vision_config=dict(hidden_size=32), audio_config=dict(
         hidden_size=32, conf_num_hidden_layers=1, conf_num_attention_heads=2, sscp_conv_channel_size=[8, 8])),
     "phi4_multimodal": dict(vision_config=dict(VISION, crop_size=28), audio_config=dict(
@@ -196,7 +212,8 @@ def build(model_type: str):
     config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(CONSTRUCT.get(model_type, {})))
     config = getattr(config, PART[model_type]) if model_type in PART else config
     for part in {id(c): c for c in (config, config.get_text_config())}.values():
-        for name, value in {**BASE, **TWEAKS.get(model_type, {})}.items():
+        small = {name: value for name, value in SMALL.items() if getattr(part, name, None) is not None}
+        for name, value in {**BASE, **small, **TWEAKS.get(model_type, {})}.items():
             try:
                 setattr(part, name, value)
             except (AttributeError, TypeError, ValueError, NotImplementedError):
