@@ -184,7 +184,7 @@ SDPA_REFERENCE = {  # model type -> why its softmax path is checked against its 
            "the values' mean and sdpa and this library zeros (left-padded: eager and sdpa differ by 0.64, library and "
            "sdpa by 2e-6; unpadded all three agree)",
     "recurrent_gemma": "its recurrent layers read the padded positions, whose all-masked attention rows eager fills "
-                       "with the values' mean where sdpa and this library give zeros (eager and sdpa differ by 8e-3)",
+                       "with the values' mean where sdpa and this library give zeros (eager and sdpa differ by 5e-3)",
 }
 KEY_SCALE = {"ZayaQKNorm": "temp"}  # learned key scales that start at 0 (every score 0): set to 1 after building
 
