@@ -432,3 +432,51 @@ def test_the_certifying_pass_adds_the_output_for_other_alphas(monkeypatch):
     passes, visits = work[..., 0].cpu(), work[..., 1].cpu()
     tiles = torch.arange(1, work.shape[2] + 1)  # causal: query block i sees i + 1 key tiles
     assert (visits <= passes * tiles).all() and (visits < passes * tiles).any()
+
+
+def tiny_dsa(top_k: int):
+    """DeepSeek-V3.2 with its lightning indexer selecting ``top_k`` keys a query (heads of 16: the kernels' size)."""
+    from transformers import AutoModelForCausalLM, DeepseekV32Config
+
+    config = DeepseekV32Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,
+                               kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                               index_topk=top_k, index_head_dim=16, index_n_heads=2, max_position_embeddings=64,
+                               initializer_range=0.2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE)
+
+
+def test_the_indexer_selection_reaches_the_triton_kernels(monkeypatch):
+    """DeepSeek-V3.2's indexer (``indices``) under kernel="triton": the keys it selects are folded into the mask
+    before the route (what kernel="auto" does on CUDA), so the Triton kernels give the torch path's logits and
+    gradients and decode the same tokens; the torch path with every key selected differs (the selection matters)."""
+    calls, decoded = [], []
+    original, original_decode = ta.triton_attention, td.triton_decode
+    monkeypatch.setattr(ta, "triton_attention", lambda q, *a, **k: calls.append(q.shape[-2]) or original(q, *a, **k))
+    monkeypatch.setattr(td, "triton_decode",
+                        lambda q, *a, **k: decoded.append(q.shape[-2]) or original_decode(q, *a, **k))
+    models = {kernel: hs.patch_model(tiny_dsa(top_k=4), attn="entmax15", attn_options={"kernel": kernel})
+              for kernel in ("triton", "torch")}
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    real, logits = mask.bool(), {}
+    for kernel, model in models.items():
+        out = model(input_ids=ids, attention_mask=mask)
+        out.logits[real].square().mean().backward()
+        logits[kernel] = out.logits[real]
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    grads = {k: {n: p.grad for n, p in m.named_parameters() if p.grad is not None} for k, m in models.items()}
+    assert grads["triton"].keys() == grads["torch"].keys() and grads["torch"]
+    for name, grad in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][name], grad, atol=1e-4, rtol=1e-3, msg=name)
+    assert calls == [12, 12]  # 2 layers, training: the forward / backward kernels
+    with torch.no_grad():
+        tokens = {k: m.generate(input_ids=ids[:1, :9], max_new_tokens=3, do_sample=False, pad_token_id=0)
+                  for k, m in models.items()}
+        every_key = hs.patch_model(tiny_dsa(top_k=64), attn="entmax15", attn_options={"kernel": "torch"})
+        assert not torch.allclose(every_key(input_ids=ids, attention_mask=mask).logits[real], logits["torch"],
+                                  atol=1e-3)
+    assert torch.equal(tokens["triton"], tokens["torch"])
+    assert decoded == [9, 9] + [1] * 4  # no grad, at most 16 rows: the decoding kernel (prefill, 2 steps)
