@@ -4,10 +4,12 @@ transformers' ``DynamicCache`` appends with ``torch.cat``: every decoding step c
 (O(n) a token, O(n^2) a generation). :class:`GrowingLayer` keeps them in buffers ``[B, Hkv, capacity, D]`` and
 writes a step's keys after the filled ones; ``keys`` / ``values`` are views of the filled part
 ``buffer[:, :, :n]`` (rows contiguous, heads and batch strided by the capacity). When a step does not fit, the
-buffers are reallocated with ``growth`` times the capacity (rounded up to :data:`ROUND` keys): a key is copied
-``1 / (growth - 1)`` times on average over a generation, against ``n / 2`` times by ``torch.cat``. The memory
-held is up to ``growth`` times the keys and values cached (:meth:`GrowingCache.nbytes`); ``growth=1.05`` keeps
-it within 5% at the price of a reallocation every 5% of the length.
+buffers are reallocated with ``growth`` times the keys they hold (:func:`grown_size`: rounded down to
+:data:`ROUND` keys, never below the new length rounded up): a key is copied ``1 / (growth - 1)`` times on
+average over a generation, against ``n / 2`` times by ``torch.cat``. Right after a reallocation the buffers hold at most ``growth`` times the keys
+and values cached, or the length rounded up to ``ROUND`` keys where that is more (short caches); between
+reallocations less (:meth:`GrowingCache.nbytes`). ``growth=1.04`` keeps the memory within 5% from 1260
+keys, at the price of a reallocation every 4% of the length.
 
 The library's page summaries and int8 key codes (:mod:`.pages`, :mod:`.keycodes`) follow the layer as they
 follow a ``DynamicLayer``: the attention module's pre-hook checks that the summary describes ``layer.keys`` (the
@@ -31,8 +33,6 @@ are left as they are.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -41,6 +41,13 @@ from ..._model import remove_instance_method, set_instance_method
 ROUND = 64  # keys: capacities are multiples of it (a page of :mod:`.pages`)
 GENERATE_GROWTH = 1.04  # growth of the cache generate makes for a patched model: at most ~5% more than its keys
 HOOK_TAG = "hf_sparsemax_growing_cache"  # marks the instance method :func:`prepare_cache_for_generation`
+
+
+def grown_size(length: int, filled: int, growth: float, unit: int) -> int:
+    """Slots of a buffer reallocated to hold ``length`` keys, ``filled`` of them held before: ``growth`` times
+    ``filled`` rounded down to a multiple of ``unit``, at least ``length`` rounded up to one (the one rule of
+    the cache's buffers and of their int8 codes, :mod:`.keycodes`)."""
+    return max(-(-length // unit) * unit, int(filled * growth) // unit * unit)
 
 
 def check_growth(growth) -> float:
@@ -89,8 +96,7 @@ class GrowingLayer(DynamicLayer):
                 buffer.shape[:2] == new.shape[:2] and buffer.shape[3] == new.shape[3] and buffer.dtype == new.dtype
                 for buffer, new in ((self.key_buffer, key_states), (self.value_buffer, value_states))):
             return
-        size = max(length, math.ceil(self.capacity * self.growth) if held else 0)
-        size = -(-size // ROUND) * ROUND
+        size = grown_size(length, filled if held else 0, self.growth, ROUND)
         buffers = []
         for old, new in pairs:
             batch, heads, _, dim = new.shape
