@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--attn", nargs="+", default=list(MAPPINGS), choices=list(MAPPINGS),
                         help="the sparse attentions (one model each)")
     parser.add_argument("--caches", nargs="+", default=["dynamic", "growing"], choices=["dynamic", "growing"],
-                        help="the caches of every model (a StaticCache too with --static-room)")
+                        help="the caches of every model (a StaticCache too with --static-room; sdpa always has a "
+                             "DynamicCache, the reference)")
     parser.add_argument("--growth", nargs="+", type=float, default=None,
                         help="GrowingCache growth factors (default: generate's, GENERATE_GROWTH)")
     parser.add_argument("--static-room", type=int, default=0,
@@ -121,7 +122,7 @@ def main() -> None:
         del out
         state = {}  # name -> [model, cache, next token]
         for name in models:
-            if "dynamic" in args.caches:
+            if "dynamic" in args.caches or name == "sdpa":  # the reference: what a user runs today
                 state[f"{name} + DynamicCache"] = [models[name], copy.deepcopy(prefilled), first]
             for growth in growths if "growing" in args.caches else ():
                 grown = hs.GrowingCache(growth=growth)

@@ -64,17 +64,24 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.growth = check_growth(growth)
         self.key_buffer = self.value_buffer = None
+        self.views = None  # (keys, values): the views of the buffers this layer made last
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.key_buffer = self.value_buffer = None
+        self.key_buffer = self.value_buffer = self.views = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.key_buffer is None else self.key_buffer.shape[2]
 
     def views_buffers(self) -> bool:
-        """Whether ``keys`` / ``values`` are still the filled part of the buffers (not replaced by another tensor)."""
+        """Whether ``keys`` / ``values`` are still the filled part of the buffers (not replaced by another tensor):
+        the very views this layer made last (views of the buffers as made: one identity test, where the
+        cache's update and the attention's page summary each asked 14 questions of the tensors every step), or
+        tensors of the buffers' storage, shape and strides."""
+        views = self.views
+        if views is not None and views[0] is self.keys and views[1] is self.values:
+            return True
         return all(buffer is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
                    and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2]
                    and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
@@ -106,6 +113,7 @@ class GrowingLayer(DynamicLayer):
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
         self.keys, self.values = (buffer[:, :, :filled] for buffer in buffers)
+        self.views = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new keys and values after the filled ones; return the views of all of them."""
@@ -117,6 +125,7 @@ class GrowingLayer(DynamicLayer):
         self.key_buffer[:, :, filled:length].copy_(key_states)
         self.value_buffer[:, :, filled:length].copy_(value_states)
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        self.views = (self.keys, self.values)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -129,10 +138,11 @@ class GrowingLayer(DynamicLayer):
         for buffer, view in ((self.key_buffer, self.keys), (self.value_buffer, self.values)):
             buffer[:, :, :length].copy_(view.index_select(0, beam_idx.to(buffer.device)))
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        self.views = (self.keys, self.values)
 
     def reset(self) -> None:
         super().reset()
-        self.key_buffer = self.value_buffer = None
+        self.key_buffer = self.value_buffer = self.views = None
 
     def nbytes(self) -> tuple[int, int]:
         """``(bytes held, bytes of the keys and values cached)``: the buffers against their filled part."""
