@@ -3,11 +3,12 @@ DynamicCache and StaticCache and on the library's GrowingCache, alternating in o
 
 One prefill of ``--context`` tokens of fortunes text (the pretrained SmolLM2-135M-Instruct, float32, sdpa) fills a
 ``DynamicCache``; every variant decodes from its own copy of it (a GrowingCache gets the same keys and values,
-filled to their length: its first step reallocates, as after a prefill in ``generate``; a StaticCache of
-``--context + --static-room`` slots gets them in its first slots, as ``generate(cache_implementation="static")``
-makes one for ``max_new_tokens=--static-room``; ``--static-every-slot`` adds the sparse models on a StaticCache
-with the cut to the filled slots switched off, :func:`hf_sparsemax.attention.blocked.pages.filled_part`). Then ``--tokens``
-rounds: each round times one greedy decoding step of every variant, in alternating order, CPU time on one thread.
+filled to their length: its first step reallocates, as after a prefill in ``generate``; with ``--caches ...
+static`` a StaticCache of ``--context + --static-room`` slots gets them in its first slots, as
+``generate(cache_implementation="static")`` makes one for ``max_new_tokens=--static-room``;
+``--static-every-slot`` adds the sparse models on a StaticCache with the cut to the filled slots switched off,
+:func:`hf_sparsemax.attention.blocked.pages.filled_part`). Then ``--tokens`` rounds: each round times one greedy
+decoding step of every variant, in alternating order, CPU time on one thread.
 The sparse models decode from the softmax model's cache (one prefill, not one a model: the keys are those of the
 softmax model it was converted from). Printed per variant: the median and mean ms a token, the ratio to sdpa +
 DynamicCache (what a user runs today) and to the same attention on a DynamicCache (the same cache's copy cost
@@ -24,10 +25,10 @@ token (sparsemax, entmax15; + 0.1 for alpha 1.3 and the learned alpha) from 8192
 library's cache a sparse token at 32768 at most 0.35x sdpa + DynamicCache's. ``--rope-factor F`` interpolates
 the rotary positions F times (past SmolLM2's 8192 positions: 2 for 16384, 4 for 32768).
 
-    PYTHONPATH=. python benchmarks/bench_long_generation.py --context 8192 --tokens 8 --static-room 512
+    PYTHONPATH=. python benchmarks/bench_long_generation.py --context 8192 --tokens 8 --caches static
     PYTHONPATH=. python benchmarks/bench_long_generation.py --context 16384 --rope-factor 2 --caches dynamic growing
     PYTHONPATH=. python benchmarks/bench_long_generation.py --context 8192 --attn entmax15 --growth 2 1.04 \
-        --static-room 4096 --static-every-slot
+        --caches dynamic growing static --static-room 4096 --static-every-slot
 """
 
 from __future__ import annotations
@@ -87,24 +88,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="decoding steps (rounds)")
     parser.add_argument("--attn", nargs="+", default=list(MAPPINGS), choices=list(MAPPINGS),
                         help="the sparse attentions (one model each)")
-    parser.add_argument("--caches", nargs="+", default=["dynamic", "growing"], choices=["dynamic", "growing"],
-                        help="the caches of every model (a StaticCache too with --static-room; sdpa always has a "
-                             "DynamicCache, the reference)")
+    parser.add_argument("--caches", nargs="+", default=["dynamic", "growing"], choices=["dynamic", "growing", "static"],
+                        help="the caches of every model (sdpa always has a DynamicCache, the reference)")
     parser.add_argument("--growth", nargs="+", type=float, default=None,
                         help="GrowingCache growth factors (default: generate's, GENERATE_GROWTH)")
-    parser.add_argument("--static-room", type=int, default=0,
-                        help="slots of a StaticCache beyond the context (0: no StaticCache variants)")
+    parser.add_argument("--static-room", type=int, default=512, help="slots of a StaticCache beyond the context")
     parser.add_argument("--static-every-slot", action="store_true",
                         help="also the sparse models on a StaticCache reading every slot (no cut to the filled ones)")
     parser.add_argument("--rope-factor", type=float, default=None,
                         help="linear rotary scaling of every model (contexts past 8192 tokens)")
     parser.add_argument("--prefill-threads", type=int, default=2)
+    parser.add_argument("--kv-file", default=None,
+                        help="the prefill's keys and values saved to this file, or read from it where it exists "
+                             "(runs at one context and rope share one prefill; the file names both)")
     args = parser.parse_args()
     import hf_sparsemax as hs
     from hf_sparsemax.app.assets import load_smollm2
     from hf_sparsemax.attention import interface
     from hf_sparsemax.attention.blocked import growing_cache, keycodes, pages
-    from transformers import DynamicCache, StaticCache
+    from transformers import StaticCache
 
     growths = args.growth or [growing_cache.GENERATE_GROWTH]
     os.environ[pages.ENVIRONMENT] = "1"
@@ -116,10 +118,7 @@ def main() -> None:
         hs.patch_model(models[name].eval(), attn=MAPPINGS[name][0], attn_options=MAPPINGS[name][1])
     ids, _ = prompt(tokenizer, args.context, 1)
     with torch.no_grad():
-        torch.set_num_threads(args.prefill_threads)
-        out = base(input_ids=ids, past_key_values=DynamicCache(config=base.config), logits_to_keep=1)
-        prefilled, first = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        del out
+        prefilled, first = prefill(base, ids, args)
         state = {}  # name -> [model, cache, next token]
         for name in models:
             if "dynamic" in args.caches or name == "sdpa":  # the reference: what a user runs today
@@ -131,7 +130,7 @@ def main() -> None:
                 state[f"{name} + GrowingCache x{growth:g}"] = [models[name], grown, first]
             kinds = ["StaticCache"] + (["StaticCache, every slot read"]
                                        if args.static_every_slot and name in args.attn else [])
-            for kind in kinds if args.static_room else []:
+            for kind in kinds if "static" in args.caches else []:
                 static = StaticCache(config=base.config, max_cache_len=args.context + args.static_room)
                 for index, layer in enumerate(prefilled.layers):
                     static.update(layer.keys, layer.values, index)
@@ -179,6 +178,28 @@ def main() -> None:
               f"| {ratio(reference)} | {ratio(sdpa)} | {ratio(same)} | {share} | {held / 2**20:.0f} MiB / "
               f"{cached / 2**20:.0f} MiB = {held / cached:.3f} | {worst[name]:.3f} |")
     print(verdicts(median, args.attn, args.context))
+
+
+def prefill(base, ids: torch.Tensor, args) -> tuple:
+    """``(DynamicCache, first token)`` of sdpa's prefill of ``ids``: computed, or read from ``--kv-file``."""
+    from transformers import DynamicCache
+
+    tag = {"context": args.context, "rope": args.rope_factor}
+    if args.kv_file and os.path.exists(args.kv_file):
+        saved = torch.load(args.kv_file)
+        if saved["tag"] != tag:
+            raise ValueError(f"{args.kv_file} holds the prefill of {saved['tag']}, not of {tag}")
+        cache = DynamicCache(config=base.config)
+        for index, (keys, values) in enumerate(saved["layers"]):
+            cache.update(keys, values, index)
+        return cache, saved["first"]
+    torch.set_num_threads(args.prefill_threads)
+    out = base(input_ids=ids, past_key_values=DynamicCache(config=base.config), logits_to_keep=1)
+    first = out.logits[:, -1].argmax(-1, keepdim=True)
+    if args.kv_file:
+        torch.save({"tag": tag, "first": first,
+                    "layers": [(layer.keys, layer.values) for layer in out.past_key_values.layers]}, args.kv_file)
+    return out.past_key_values, first
 
 
 def verdicts(median: dict[str, float], attns: list[str], context: int) -> str:

@@ -6,10 +6,10 @@ writes a step's keys after the filled ones; ``keys`` / ``values`` are views of t
 ``buffer[:, :, :n]`` (rows contiguous, heads and batch strided by the capacity). When a step does not fit, the
 buffers are reallocated with ``growth`` times the keys they hold (:func:`grown_size`: rounded down to
 :data:`ROUND` keys, never below the new length rounded up): a key is copied ``1 / (growth - 1)`` times on
-average over a generation, against ``n / 2`` times by ``torch.cat``. Right after a reallocation the buffers hold at most ``growth`` times the keys
-and values cached, or the length rounded up to ``ROUND`` keys where that is more (short caches); between
-reallocations less (:meth:`GrowingCache.nbytes`). ``growth=1.04`` keeps the memory within 5% from 1260
-keys, at the price of a reallocation every 4% of the length.
+average over a generation, against ``n / 2`` times by ``torch.cat``. Right after a reallocation the buffers
+hold at most ``growth`` times the keys and values cached, or the length rounded up to ``ROUND`` keys where that is
+more (short caches); between reallocations less (:meth:`GrowingCache.nbytes`). ``growth=1.04`` keeps the memory
+within 5% from 1260 keys, at the price of a reallocation every 4% of the length.
 
 The library's page summaries and int8 key codes (:mod:`.pages`, :mod:`.keycodes`) follow the layer as they
 follow a ``DynamicLayer``: the attention module's pre-hook checks that the summary describes ``layer.keys`` (the

@@ -15,9 +15,9 @@ the full step's candidates with the full step's scores: the output is the full s
 
 Memory: ``D + 4`` bytes a key (``D`` int8 codes and a float32 scale) against ``4 D`` for a float32 key (26.6% for
 SmolLM2's ``D = 64``), in slots grown by :data:`.growing_cache.GENERATE_GROWTH` (4%: the codes held within 4% of
-the keys coded, as the default cache's buffers, :func:`.growing_cache.grown_size`). A layer whose step certifies less than ``MIN_CERTIFIED`` of its
-keys scores them all for the next ``RETRY`` steps (the codes are still written). On from
-:data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
+the keys coded, as the default cache's buffers, :func:`.growing_cache.grown_size`). A layer whose step certifies
+less than ``MIN_CERTIFIED`` of its keys scores them all for the next ``RETRY`` steps (the codes are still
+written). On from :data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
 
 A paged cache (vLLM's, :mod:`hf_sparsemax.integrations.vllm.paged_attention`) hands its slots from request to
 request, so its codes are kept per slot (:class:`SlotCodes`, written with the slot's key) and the per-head bounds
