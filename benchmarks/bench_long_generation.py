@@ -210,9 +210,9 @@ def verdicts(median: dict[str, float], attns: list[str], context: int) -> str:
     for cache in caches:
         sdpa, floor = median[f"sdpa + {cache}"], median.get(f"{FLOOR} + {cache}")
         for attn in attns:
-            ratio = median[f"{attn} + {cache}"] / sdpa
-            if floor is None:
+            if floor is None or f"{attn} + {cache}" not in median:
                 continue
+            ratio = median[f"{attn} + {cache}"] / sdpa
             above = ratio - floor / sdpa
             target = ABOVE_FLOOR[attn]
             verdict = (f"{'met' if above <= target else 'MISSED'}: {above:.2f} (<= {target})" if context >= 8192
