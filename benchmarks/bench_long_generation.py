@@ -186,7 +186,7 @@ def prefill(base, ids: torch.Tensor, args) -> tuple:
 
     tag = {"context": args.context, "rope": args.rope_factor}
     if args.kv_file and os.path.exists(args.kv_file):
-        saved = torch.load(args.kv_file)
+        saved = torch.load(args.kv_file, mmap=True)  # copied into each variant's cache, never held twice
         if saved["tag"] != tag:
             raise ValueError(f"{args.kv_file} holds the prefill of {saved['tag']}, not of {tag}")
         cache = DynamicCache(config=base.config)

@@ -220,8 +220,8 @@ def filled_part(layer, key: torch.Tensor, value: torch.Tensor, mask):
     or boolean, over ``key``'s slots) masks every one of them for every query row: a static cache's step then costs
     its filled length, not its size. The slots cut weigh exactly 0 in every mapping, so the output is the one over
     the filled keys alone (a ``DynamicCache``'s). Anything else (no layer, not this layer's keys, no mask, a slot
-    past the filled length the mask lets some row see) is returned as it is. The mask's analysis is made once a step,
-for the first layer, and reused by the others (:mod:`.step_memo`)."""
+    past the filled length the mask lets some row see) is returned as it is. The mask's analysis is made once a
+    step, for the first layer, and reused by the others (:mod:`.step_memo`)."""
     if layer is None or mask is None or layer.keys is not key or mask.shape[-1] != key.shape[-2]:
         return key, value, mask
     length = filled(layer)

@@ -1,4 +1,4 @@
-"""What a decoding step's attention works out once for all the model's layers (issue 55).
+"""What a decoding step's attention works out once for all the model's layers.
 
 A decoding step calls the attention once per layer. The operands differ from layer to layer (each layer's query,
 keys and values), but part of what the call works out around the kernel does not: the mapping's path (whether a
