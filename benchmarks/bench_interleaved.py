@@ -55,6 +55,28 @@ TARGETS = {"sparsemax": 0.6, "entmax15": 0.7}  # issue 47: decoding per token at
 PREFILL_TARGETS = {"entmax_bisect": 1.3}  # issue 47: prefill at 2048 tokens (a fixed or learned alpha), to sdpa
 
 
+def rope_options(factor: float | None) -> dict:
+    """``from_pretrained`` keywords of SmolLM2 with its rotary positions interpolated ``factor`` times (linear,
+    ``max_position_embeddings`` 8192 ``factor``), for contexts past its 8192 trained positions; {} for None."""
+    if not factor:
+        return {}
+    return dict(rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 100000.0},
+                max_position_embeddings=int(8192 * factor))
+
+
+def floor_model(**extra):
+    """SmolLM2 (float32) with an attention that costs nothing (it returns zeros; the model still updates its
+    cache): its time over sdpa's is the floor of every ratio, the share of a step that is not attention."""
+    from hf_sparsemax.app.assets import load_smollm2
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("no_attention", lambda module, query, *args, **kwargs: (
+        query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None))
+    floor, _ = load_smollm2(dtype=torch.float32, **extra)
+    floor.eval().set_attn_implementation("no_attention")
+    return floor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["decode", "prefill"])
@@ -83,10 +105,7 @@ def main() -> None:
     from hf_sparsemax.attention.blocked import blocks, keycodes, pages
     from transformers import DynamicCache, StaticCache
 
-    extra = {}
-    if args.rope_factor:
-        extra = dict(rope_parameters={"rope_type": "linear", "factor": args.rope_factor, "rope_theta": 100000.0},
-                     max_position_embeddings=int(8192 * args.rope_factor))
+    extra = rope_options(args.rope_factor)
     base, tokenizer = load_smollm2(dtype=torch.float32, **extra)
     base.eval()
     models = {}
@@ -99,14 +118,7 @@ def main() -> None:
     if args.step == "decode":  # name -> (model, the certificate on)
         contenders = {"sdpa": (base, True)}
         if args.floor:  # the same step with an attention of no cost: what is left of sdpa's is the rest of the model
-            from transformers import AttentionInterface
-
-            AttentionInterface.register("no_attention", lambda module, query, *args, **kwargs: (
-                query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None))
-            floor, _ = load_smollm2(dtype=torch.float32, **extra)
-            floor.eval()
-            floor.set_attn_implementation("no_attention")
-            contenders["no attention"] = (floor, True)
+            contenders["no attention"] = (floor_model(**extra), True)
         for attn, m in models.items():
             contenders[attn] = (m, True)
             if not args.no_full:

@@ -59,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from .blocked.blocks import block_queries, causal_mask, threshold_attention, work_operands
 from .blocked.pages import filled_part, page_summary, take_layer
 from .blocked.decode import decode_attention, decoding_step
+from .blocked.step_memo import Memo
 from .query_scale import check_temperatures, scale_queries, submodule
 from .routing import KERNELS, triton_route, wanted
 from ..mappings import registry
@@ -294,8 +295,8 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min
         )
-    if attention_mask is not None:
-        attention_mask = attention_mask[..., : key.shape[-2]]
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = attention_mask[..., : key.shape[-2]]  # (the model's own object where it fits: .step_memo)
     chunk = options.chunk_size if options else None
     q_len = query.shape[-2]
     causal = is_causal(module, q_len, attention_mask, kwargs)
@@ -431,20 +432,19 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
     dropout in training, softcapping, a position bias or attention sinks; the other calls take
     :func:`attend` (query chunks recomputed in backward when the weights exceed the budget).
     """
-    entry = registry.REGISTRY[mapping]
-    if (entry.threshold is None or torch.compiler.is_compiling() or softcap is not None or position_bias is not None
-            or sinks is not None or (dropout and module.training)
-            or query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-            or not (query.dtype == key.dtype == value.dtype) or (mask is not None and mask.requires_grad)):
+    if (torch.compiler.is_compiling() or softcap is not None or position_bias is not None or sinks is not None
+            or (dropout and module.training) or (mask is not None and mask.requires_grad)):
         return None
-    options = getattr(module, OPTIONS_ATTR, None)
-    own = options.options if options is not None and options.mapping == mapping else entry.options()
-    values, fixed_alpha = registry.option_values(own), entry.fenchel_young_alpha(own)
     learned = submodule(module, ALPHA_ATTR)
+    options = getattr(module, OPTIONS_ATTR, None)
+    fixed = FIXED_THRESHOLD((options,), (mapping, query.dtype, key.dtype, value.dtype, learned is None))
+    if fixed is None:
+        return None
+    entry, values, fixed_alpha = fixed
     alpha = learned().to(query.device) if learned is not None else None
     if alpha is not None and alpha.shape != (1, query.shape[1], 1, 1):
         return None
-    if query.dtype != torch.float64 and not precise_in_float32(alpha if alpha is not None else fixed_alpha):
+    if alpha is not None and query.dtype != torch.float64 and not precise_in_float32(alpha):
         return None  # the mapping computes such alphas in float64: the materialised path does so
 
     def reference(query, key, value, mask, alpha):  # the differentiable path, for a double backward
@@ -458,6 +458,26 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
         return torch.matmul(entry.function(scores, dim=-1, **options).to(value.dtype), value).to(dtype)
 
     return dict(alpha=alpha, fixed_alpha=fixed_alpha, threshold=entry.threshold, reference=reference)
+
+
+def fixed_threshold(options: AttentionOptions | None, mapping: str, query_dtype: torch.dtype, key_dtype: torch.dtype,
+                    value_dtype: torch.dtype, fixed: bool):
+    """``(registry entry, option values, fixed alpha)`` of a call of :func:`threshold_path` with these options and
+    dtypes (``fixed``: no learned alpha, so the fixed one must be computed exactly in float32), or None where the
+    path does not serve them. A function of its arguments only: :data:`FIXED_THRESHOLD` computes it once for all
+    the layers sharing one options object (:mod:`.blocked.step_memo`)."""
+    entry = registry.REGISTRY[mapping]
+    if (entry.threshold is None or query_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+            or not (query_dtype == key_dtype == value_dtype)):
+        return None
+    own = options.options if options is not None and options.mapping == mapping else entry.options()
+    values, fixed_alpha = registry.option_values(own), entry.fenchel_young_alpha(own)
+    if fixed and query_dtype != torch.float64 and not precise_in_float32(fixed_alpha):
+        return None  # the mapping computes such alphas in float64: the materialised path does so
+    return entry, values, fixed_alpha
+
+
+FIXED_THRESHOLD = Memo(fixed_threshold)
 
 
 def attention_function(mapping: str):

@@ -4,10 +4,12 @@ transformers' ``DynamicCache`` appends with ``torch.cat``: every decoding step c
 (O(n) a token, O(n^2) a generation). :class:`GrowingLayer` keeps them in buffers ``[B, Hkv, capacity, D]`` and
 writes a step's keys after the filled ones; ``keys`` / ``values`` are views of the filled part
 ``buffer[:, :, :n]`` (rows contiguous, heads and batch strided by the capacity). When a step does not fit, the
-buffers are reallocated with ``growth`` times the capacity (rounded up to :data:`ROUND` keys): a key is copied
-``1 / (growth - 1)`` times on average over a generation, against ``n / 2`` times by ``torch.cat``. The memory
-held is up to ``growth`` times the keys and values cached (:meth:`GrowingCache.nbytes`); ``growth=1.05`` keeps
-it within 5% at the price of a reallocation every 5% of the length.
+buffers are reallocated with ``growth`` times the keys they hold (:func:`grown_size`: rounded down to
+:data:`ROUND` keys, never below the new length rounded up): a key is copied ``1 / (growth - 1)`` times on
+average over a generation, against ``n / 2`` times by ``torch.cat``. Right after a reallocation the buffers
+hold at most ``growth`` times the keys and values cached, or the length rounded up to ``ROUND`` keys where that is
+more (short caches); between reallocations less (:meth:`GrowingCache.nbytes`). ``growth=1.04`` keeps the memory
+within 5% from 1260 keys, at the price of a reallocation every 4% of the length.
 
 The library's page summaries and int8 key codes (:mod:`.pages`, :mod:`.keycodes`) follow the layer as they
 follow a ``DynamicLayer``: the attention module's pre-hook checks that the summary describes ``layer.keys`` (the
@@ -31,8 +33,6 @@ are left as they are.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -41,6 +41,13 @@ from ..._model import remove_instance_method, set_instance_method
 ROUND = 64  # keys: capacities are multiples of it (a page of :mod:`.pages`)
 GENERATE_GROWTH = 1.04  # growth of the cache generate makes for a patched model: at most ~5% more than its keys
 HOOK_TAG = "hf_sparsemax_growing_cache"  # marks the instance method :func:`prepare_cache_for_generation`
+
+
+def grown_size(length: int, filled: int, growth: float, unit: int) -> int:
+    """Slots of a buffer reallocated to hold ``length`` keys, ``filled`` of them held before: ``growth`` times
+    ``filled`` rounded down to a multiple of ``unit``, at least ``length`` rounded up to one (the one rule of
+    the cache's buffers and of their int8 codes, :mod:`.keycodes`)."""
+    return max(-(-length // unit) * unit, int(filled * growth) // unit * unit)
 
 
 def check_growth(growth) -> float:
@@ -57,17 +64,24 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.growth = check_growth(growth)
         self.key_buffer = self.value_buffer = None
+        self.views = None  # (keys, values): the views of the buffers this layer made last
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.key_buffer = self.value_buffer = None
+        self.key_buffer = self.value_buffer = self.views = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.key_buffer is None else self.key_buffer.shape[2]
 
     def views_buffers(self) -> bool:
-        """Whether ``keys`` / ``values`` are still the filled part of the buffers (not replaced by another tensor)."""
+        """Whether ``keys`` / ``values`` are still the filled part of the buffers (not replaced by another tensor):
+        the very views this layer made last (views of the buffers as made: one identity test, where the
+        cache's update and the attention's page summary each asked 14 questions of the tensors every step), or
+        tensors of the buffers' storage, shape and strides."""
+        views = self.views
+        if views is not None and views[0] is self.keys and views[1] is self.values:
+            return True
         return all(buffer is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
                    and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2]
                    and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
@@ -89,8 +103,7 @@ class GrowingLayer(DynamicLayer):
                 buffer.shape[:2] == new.shape[:2] and buffer.shape[3] == new.shape[3] and buffer.dtype == new.dtype
                 for buffer, new in ((self.key_buffer, key_states), (self.value_buffer, value_states))):
             return
-        size = max(length, math.ceil(self.capacity * self.growth) if held else 0)
-        size = -(-size // ROUND) * ROUND
+        size = grown_size(length, filled if held else 0, self.growth, ROUND)
         buffers = []
         for old, new in pairs:
             batch, heads, _, dim = new.shape
@@ -100,6 +113,7 @@ class GrowingLayer(DynamicLayer):
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
         self.keys, self.values = (buffer[:, :, :filled] for buffer in buffers)
+        self.views = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new keys and values after the filled ones; return the views of all of them."""
@@ -111,6 +125,7 @@ class GrowingLayer(DynamicLayer):
         self.key_buffer[:, :, filled:length].copy_(key_states)
         self.value_buffer[:, :, filled:length].copy_(value_states)
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        self.views = (self.keys, self.values)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -123,10 +138,11 @@ class GrowingLayer(DynamicLayer):
         for buffer, view in ((self.key_buffer, self.keys), (self.value_buffer, self.values)):
             buffer[:, :, :length].copy_(view.index_select(0, beam_idx.to(buffer.device)))
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        self.views = (self.keys, self.values)
 
     def reset(self) -> None:
         super().reset()
-        self.key_buffer = self.value_buffer = None
+        self.key_buffer = self.value_buffer = self.views = None
 
     def nbytes(self) -> tuple[int, int]:
         """``(bytes held, bytes of the keys and values cached)``: the buffers against their filled part."""

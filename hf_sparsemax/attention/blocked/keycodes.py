@@ -14,9 +14,10 @@ float32 sums), and reads the float keys only of the keys some row's bound cannot
 the full step's candidates with the full step's scores: the output is the full step's bit for bit.
 
 Memory: ``D + 4`` bytes a key (``D`` int8 codes and a float32 scale) against ``4 D`` for a float32 key (26.6% for
-SmolLM2's ``D = 64``), in slots of ``GROW`` keys. A layer whose step certifies less than ``MIN_CERTIFIED`` of its
-keys scores them all for the next ``RETRY`` steps (the codes are still written). On from
-:data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
+SmolLM2's ``D = 64``), in slots grown by :data:`.growing_cache.GENERATE_GROWTH` (4%: the codes held within 4% of
+the keys coded, as the default cache's buffers, :func:`.growing_cache.grown_size`). A layer whose step certifies
+less than ``MIN_CERTIFIED`` of its keys scores them all for the next ``RETRY`` steps (the codes are still
+written). On from :data:`.pages.MIN_KEYS` cached keys, with the page summaries' switch ``HF_SPARSEMAX_KV_SKIP=0``.
 
 A paged cache (vLLM's, :mod:`hf_sparsemax.integrations.vllm.paged_attention`) hands its slots from request to
 request, so its codes are kept per slot (:class:`SlotCodes`, written with the slot's key) and the per-head bounds
@@ -29,8 +30,8 @@ import torch
 
 from ..cpu.fused import CERTIFICATE, KEY_DTYPES, MAX_CODED_DIM, code_slots
 from ..cpu.fused import decode as fused_decode
+from .growing_cache import GENERATE_GROWTH, grown_size
 
-GROW = 512  # key slots added at a time to a dynamic cache's codes
 BLOCK = CERTIFICATE["CODE_BLOCK"]  # keys a block of codes (fused.c: slots come in multiples of it)
 MIN_CERTIFIED = 0.5  # share of a step's keys certified below which the layer backs off
 RETRY = 32  # steps a layer scores every key after a step that certified less than MIN_CERTIFIED
@@ -69,10 +70,11 @@ class KeyCodes:
         return key.shape[-1] % 2 == 0 and key.shape[-1] <= MAX_CODED_DIM
 
     def reserve(self, length: int, slots: int) -> None:
-        """Room for ``length`` keys: a static cache's ``slots`` at once, a dynamic one's in steps of ``GROW``."""
+        """Room for ``length`` keys: a static cache's ``slots`` at once, a dynamic one's grown geometrically
+        (:func:`.growing_cache.grown_size`, in blocks of ``BLOCK`` keys)."""
         if length <= self.codes.shape[2]:
             return
-        size = -(-(slots if slots > length else -(-length // GROW) * GROW) // BLOCK) * BLOCK
+        size = -(-slots // BLOCK) * BLOCK if slots > length else grown_size(length, self.coded, GENERATE_GROWTH, BLOCK)
         batch, heads, _, dim = self.codes.shape
         codes = self.codes.new_empty(batch, heads, size, dim)
         scales = self.scales.new_empty(batch, heads, size)

@@ -42,6 +42,7 @@ import torch
 
 from ...mappings import compiled
 from ...mappings._core import masked_below
+from .step_memo import Memo
 
 PAGE = 64  # keys a page
 MIN_KEYS = 1024  # cached keys from which a decoding step skips pages (measured: below, the full step is as fast)
@@ -219,17 +220,26 @@ def filled_part(layer, key: torch.Tensor, value: torch.Tensor, mask):
     or boolean, over ``key``'s slots) masks every one of them for every query row: a static cache's step then costs
     its filled length, not its size. The slots cut weigh exactly 0 in every mapping, so the output is the one over
     the filled keys alone (a ``DynamicCache``'s). Anything else (no layer, not this layer's keys, no mask, a slot
-    past the filled length the mask lets some row see) is returned as it is."""
+    past the filled length the mask lets some row see) is returned as it is. The mask's analysis is made once a
+    step, for the first layer, and reused by the others (:mod:`.step_memo`)."""
     if layer is None or mask is None or layer.keys is not key or mask.shape[-1] != key.shape[-2]:
         return key, value, mask
     length = filled(layer)
     if not 0 < length < key.shape[-2]:
         return key, value, mask
-    rest = mask[..., length:]
-    unseen = not bool(rest.any()) if rest.dtype == torch.bool else bool((rest <= masked_below(rest.dtype)).all())
-    if not unseen:
+    if not HIDES_TAIL((mask,), (mask._version, mask.shape, length)):
         return key, value, mask
     return key[:, :, :length], value[:, :, :length], mask[..., :length]
+
+
+def hides_tail(mask, version: int, shape, length: int) -> bool:
+    """Whether the additive or boolean ``mask`` hides every slot from ``length`` on from every query row (its
+    ``version`` and ``shape``: what :data:`HIDES_TAIL` compares, the mask's in-place version counter and size)."""
+    rest = mask[..., length:]
+    return not bool(rest.any()) if rest.dtype == torch.bool else bool((rest <= masked_below(rest.dtype)).all())
+
+
+HIDES_TAIL = Memo(hides_tail)  # once a step for all layers: the same mask object, version and filled length
 
 
 def page_bounds(query: torch.Tensor, summary: PageSummary, mask, scaling: float) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""The attention's work made once a decoding step for all layers (:mod:`hf_sparsemax.attention.blocked.step_memo`).
+
+Checked: greedy ``generate`` (a padded batch, StaticCache and the default GrowingCache) gives the same tokens and
+scores bit for bit with the memos as with every layer computing for itself, while the mapping's path is computed
+once a generation and a static cache's mask analysis once a step, not once a layer; a value is not reused where
+its arguments changed: another model's options, a mask written in place, a new mask object, a crop (another
+filled length).
+"""
+
+import types
+import warnings
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import hf_sparsemax as hs
+from hf_sparsemax.attention import interface
+from hf_sparsemax.attention.blocked import keycodes, pages, step_memo
+from test_growing_cache import CACHE, generate, needs_kernel, tiny_llama
+
+MEMOS = (interface.FIXED_THRESHOLD, pages.HIDES_TAIL)
+
+
+@pytest.fixture(autouse=True)
+def certify_from_64_keys(monkeypatch):
+    monkeypatch.setattr(pages, "MIN_KEYS", 64)
+    monkeypatch.setattr(keycodes, "MIN_CERTIFIED", 0.0)
+    monkeypatch.delenv(pages.ENVIRONMENT, raising=False)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for memo in MEMOS:
+        memo.clear()
+        monkeypatch.setattr(memo, "computed", 0)
+
+
+def every_layer_computes(monkeypatch):
+    monkeypatch.setattr(step_memo.Memo, "__call__", lambda self, objects, values: self.function(*objects, *values))
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache", ["static", "growing"])
+@pytest.mark.parametrize("attn", ["entmax15", "sparsemax"])
+def test_generate_is_the_same_bit_for_bit_with_the_memos(attn, cache, monkeypatch):
+    model = tiny_llama(attn)
+    make = (lambda: StaticCache(config=model.config, max_cache_len=128)) if cache == "static" else hs.GrowingCache
+    computed = [memo.computed for memo in MEMOS]
+    got = generate(model, make())
+    threshold, tail = (memo.computed - before for memo, before in zip(MEMOS, computed))
+    assert threshold == 1  # one options object, one dtype: once for the generation
+    assert tail == (11 if cache == "static" else 0)  # the static mask: once each of the 11 decoding steps
+    with monkeypatch.context() as patched:
+        every_layer_computes(patched)
+        want = generate(model, make())
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+
+
+def test_the_mapping_path_is_not_reused_for_other_options():
+    """Two models alternating (as the benchmark runs them): each call gets its own options' alpha."""
+    modules = []
+    for alpha in (1.3, 1.7):
+        model = tiny_llama("sdpa")
+        hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": alpha})
+        modules.append(model.model.layers[0].self_attn)
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 70, 16)
+    for module, alpha in [*zip(modules, (1.3, 1.7)), *zip(modules, (1.3, 1.7))]:
+        path = interface.threshold_path(module, q, k, k, None, scaling=0.25, dropout=0.0, softcap=None,
+                                        position_bias=None, sinks=None, mapping="entmax_bisect")
+        assert path["fixed_alpha"] == alpha
+    assert interface.FIXED_THRESHOLD.computed == 4
+    path = interface.threshold_path(modules[1], q.double(), k.double(), k.double(), None, scaling=0.25,
+                                    dropout=0.0, softcap=None, position_bias=None, sinks=None, mapping="entmax_bisect")
+    assert path is not None and interface.FIXED_THRESHOLD.computed == 5  # another dtype: computed again
+
+
+def test_the_mask_analysis_is_not_reused_after_a_change():
+    """A static layer's cut to its filled slots: made again for a mask written in place, a crop (another filled
+    length) and a new mask object equal to an old one; reused for the same mask and length (the next layer)."""
+    key, value = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    layer = types.SimpleNamespace(keys=key, cumulative_length=6)
+    mask = torch.zeros(1, 1, 1, 8)
+    mask[..., 6:] = torch.finfo(torch.float32).min  # slots 6, 7 unwritten and hidden
+
+    def cut():
+        return pages.filled_part(layer, key, value, mask)[0].shape[-2]
+
+    assert cut() == 6 and cut() == 6 and pages.HIDES_TAIL.computed == 1  # the second layer reuses
+    layer.cumulative_length = 4  # a crop: slots 4, 5 are seen by the mask, so nothing is cut
+    assert cut() == 8 and pages.HIDES_TAIL.computed == 2
+    layer.cumulative_length = 6
+    assert cut() == 6
+    mask[..., 7] = 0.0  # written in place: slot 7 is seen
+    assert cut() == 8
+    old, mask = mask, mask.clone()
+    old[..., 7] = torch.finfo(torch.float32).min  # the old mask hides the tail again; the new one does not
+    assert cut() == 8
+    mask = old
+    assert cut() == 6 and pages.HIDES_TAIL.computed == 6
+
+
+def test_a_memo_holds_its_objects_weakly_and_never_reuses_for_another():
+    memo = step_memo.Memo(lambda tensor, scale: float(tensor.sum()) * scale)
+    a = torch.ones(3)
+    assert memo((a,), (2,)) == 6.0 and memo((a,), (2,)) == 6.0 and memo.computed == 1
+    assert memo((a,), (3,)) == 9.0 and memo((torch.ones(3),), (3,)) == 9.0 and memo.computed == 3
+    del a  # freed: an object made later at its address is not taken for it
+    assert memo((torch.zeros(3),), (3,)) == 0.0 and memo.computed == 4
