@@ -1,0 +1,158 @@
+r"""vLLM decoding throughput at long context: a sparse-attention folder against its softmax twin, alternating.
+
+The offline SmolLM2-135M-Instruct (30 layers, float32) saved twice (``bench_serving_attention.save_folders``): as
+it is (vLLM's own C++ CPU attention) and patched with ``--attn`` (hf_sparsemax's backend over vLLM's paged cache,
+the int8 key certificate on its decode steps). Both engines are up at once (chunked prefill and prefix caching on,
+each its own engine process) and every timed round runs one after the other, in alternating order.
+
+Prompts: for each ``--prompt-tokens`` length (0: the short prompts of ``bench_serving_attention.py``), ``--batch``
+requests of CPython's documentation text (``pydoc_data.topics``). A batch of long prompts shares its first ``length - TAIL`` tokens and each prompt ends
+with ``TAIL`` tokens of its own (a different passage): prefix caching prefills the shared part once. Every prompt
+is prefilled once (and its prefix cached) by a warm-up before the timed rounds, so a round prefills only the
+tokens of each prompt that the prefix cache does not hold (its last partial block).
+
+Decoding time, prefill separated: each round times ``generate(max_tokens=1)`` and then
+``generate(max_tokens=1 + --new-tokens)`` of the same prompts (``ignore_eos``); both prefill the same
+(prefix-cached) way, so their difference is the time of ``--new-tokens`` decode steps of the batch:
+``tokens/s = batch * new_tokens / (t_long - t_short)``, median over ``--repeats`` rounds. Printed per setting:
+both engines' decoding tokens/s, the ratio (sparse / softmax), the share of keys the int8 certificate never read
+in the sparse engine's timed steps (read from its engine process), ``uptime``'s load before and after, and the
+targets of issue 55 (long prompts at 8k: >= 1.3x at batch 1 and 8; short prompts at batch 8: >= 1.0x) met or
+MISSED. Longer than the model's 8192 positions: ``--rope`` scales the rotary positions linearly
+(``hf_overrides``; both engines the same).
+
+    VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=. python benchmarks/bench_serving_long.py --prompt-tokens 0 2048 8000 \
+        --batch 1 8 --new-tokens 32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the certificate's counts read by collective_rpc
+
+from bench_serving_attention import save_folders  # noqa: E402
+
+TAIL = 16  # tokens of its own at the end of each prompt of a long batch
+BLOCK_SIZE = 128  # vLLM's cache block (slots): a multiple of the certificate's code blocks
+TARGETS = {(8000, 1): 1.3, (8000, 8): 1.3, (0, 8): 1.0}  # (prompt tokens from, batch): decoding tokens/s ratio
+
+
+def text_ids(tokenizer) -> list[int]:
+    from hf_sparsemax.app.assets import pydoc_topics
+
+    return tokenizer("\n\n".join(pydoc_topics()))["input_ids"]
+
+
+def prompts_of(ids: list[int], tokenizer, length: int, batch: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` tokens sharing all but their last ``TAIL`` (0: the short prompts)."""
+    if length == 0:
+        return [tokenizer(f"Story number {i}: once upon a time")["input_ids"] for i in range(batch)]
+    if len(ids) < length + batch * TAIL * 64:
+        raise ValueError(f"the documentation text has {len(ids)} tokens, too few for {length}-token prompts")
+    shared = ids[: length - TAIL]
+    return [shared + ids[length + i * TAIL * 64 : length + i * TAIL * 64 + TAIL] for i in range(batch)]
+
+
+def certificate_counts(worker) -> dict:
+    """The int8 certificate's counts in an engine process (run there by ``collective_rpc``)."""
+    from hf_sparsemax.attention.blocked import keycodes
+
+    return dict(keycodes.COUNTS)
+
+
+def reset_counts(worker) -> None:
+    from hf_sparsemax.attention.blocked import keycodes
+
+    keycodes.reset_counts()
+
+
+def load() -> str:
+    return os.getloadavg()[0].__format__(".1f")
+
+
+def engine(folder: str, max_len: int, rope: float | None, batched: int):
+    from vllm import LLM
+
+    overrides = {}
+    if rope is not None:
+        overrides = {"rope_parameters": {"rope_type": "linear", "factor": rope, "rope_theta": 100000.0},
+                     "max_position_embeddings": int(8192 * rope)}
+    return LLM(model=folder, dtype="float32", max_model_len=max_len, enforce_eager=True, seed=0,
+               block_size=BLOCK_SIZE, enable_chunked_prefill=True, enable_prefix_caching=True,
+               max_num_batched_tokens=batched, hf_overrides=overrides or None)
+
+
+def timed(llm, prompts: list[list[int]], tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def setting(engines: dict, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+    """Median decoding tokens/s of each engine on ``prompts`` (rounds alternating the engines' order)."""
+    names = list(engines)
+    for name in names:  # warm-up: every prompt prefilled and its blocks cached
+        timed(engines[name], prompts[:1], 1)
+        timed(engines[name], prompts, 2)
+    decode = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            short = timed(engines[name], prompts, 1)
+            long = timed(engines[name], prompts, 1 + new_tokens)
+            decode[name].append(long - short)
+    return {name: len(prompts) * new_tokens / statistics.median(times) for name, times in decode.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attn", default="entmax15")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[0, 2048, 8000])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rope", type=float, default=None, help="linear rope factor (prompts over 8192 tokens)")
+    parser.add_argument("--max-batched", type=int, default=2048, help="vLLM's max_num_batched_tokens (chunk size)")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as root:
+        folders = save_folders(root, args.attn)
+        tokenizer = AutoTokenizer.from_pretrained(folders["softmax"])
+        ids = text_ids(tokenizer)
+        max_len = max(max(args.prompt_tokens), 64) + args.new_tokens + 8
+        engines = {name: engine(folder, max_len, args.rope, args.max_batched) for name, folder in folders.items()}
+        sparse = engines[args.attn]
+        print(f"\n{args.attn} against softmax, vLLM {BLOCK_SIZE}-slot blocks, chunked prefill "
+              f"({args.max_batched} tokens a step), prefix caching; {args.new_tokens} decode tokens a request, "
+              f"median of {args.repeats} alternating rounds; long batches share all but {TAIL} tokens a prompt")
+        print("| prompt tokens | batch | softmax tokens/s | "
+              f"{args.attn} tokens/s | ratio | keys never read | load before / after | target |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+        for length in args.prompt_tokens:
+            for batch in args.batch:
+                prompts = prompts_of(ids, tokenizer, length, batch)
+                before = load()
+                sparse.collective_rpc(reset_counts)
+                rates = setting(engines, prompts, args.new_tokens, args.repeats)
+                counts = sparse.collective_rpc(certificate_counts)[0]
+                never = f"{counts['certified'] / counts['keys']:.1%}" if counts["keys"] else "-"
+                ratio = rates[args.attn] / rates["softmax"]
+                goal = next((floor for (start, size), floor in TARGETS.items()
+                             if size == batch and (length >= start if start else length == 0)), None)
+                verdict = "-" if goal is None else f">= {goal}x: {'met' if ratio >= goal else 'MISSED'}"
+                print(f"| {length or 'short'} | {batch} | {rates['softmax']:.1f} | {rates[args.attn]:.1f} | "
+                      f"{ratio:.2f}x | {never} | {before} / {load()} | {verdict} |", flush=True)
+        for llm in engines.values():
+            llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
