@@ -71,6 +71,30 @@ def reset_counts(worker) -> None:
     keycodes.reset_counts()
 
 
+def start_profile(worker) -> None:
+    """Profile the engine process's thread (cProfile) from now on (run there by ``collective_rpc``)."""
+    import cProfile
+
+    worker.hf_sparsemax_profile = cProfile.Profile()
+    worker.hf_sparsemax_profile.enable()
+
+
+def stop_profile(worker, lines: int = 30) -> str:
+    """The profile since :func:`start_profile`: the functions with most time of their own, and the cumulative time
+    of the attention layers' forward (hf_sparsemax's backend, or vLLM's own)."""
+    import io
+    import pstats
+
+    worker.hf_sparsemax_profile.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(worker.hf_sparsemax_profile, stream=stream)
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(r"(backend|cpu_attn|paged_attention|fused|keycodes|layer)\.py.*"
+                                               r"(forward|paged_attention|kernel_decode|write_cache|step_of|step_plan"
+                                               r"|paged_decode|code_slots|tally|execute_model)")
+    return stream.getvalue()
+
+
 def load() -> str:
     return os.getloadavg()[0].__format__(".1f")
 
@@ -119,6 +143,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rope", type=float, default=None, help="linear rope factor (prompts over 8192 tokens)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile one generate(1 + new tokens) of the last setting in each engine (cProfile)")
     parser.add_argument("--max-batched", type=int, default=2048, help="vLLM's max_num_batched_tokens (chunk size)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -150,6 +176,12 @@ def main() -> None:
                 verdict = "-" if goal is None else f">= {goal}x: {'met' if ratio >= goal else 'MISSED'}"
                 print(f"| {length or 'short'} | {batch} | {rates['softmax']:.1f} | {rates[args.attn]:.1f} | "
                       f"{ratio:.2f}x | {never} | {before} / {load()} | {verdict} |", flush=True)
+        for name, llm in engines.items() if args.profile else ():
+            timed(llm, prompts, 1)
+            llm.collective_rpc(start_profile)
+            timed(llm, prompts, 1 + args.new_tokens)
+            print(f"\n### {name}: profile of generate(1 + {args.new_tokens}), {len(prompts)} prompts of "
+                  f"{length or 'short'} tokens\n{llm.collective_rpc(stop_profile)[0]}", flush=True)
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
 
