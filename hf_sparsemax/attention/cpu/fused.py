@@ -323,9 +323,8 @@ def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
 def code_slots(key_rows: torch.Tensor, slots: torch.Tensor | CheckedSlots, codes) -> bool:
     """Write the int8 codes, scales and residuals of the keys ``key_rows[slots]`` (``[slots, Hkv, D]``, every kv
     head; ``slots [n]``, or :class:`CheckedSlots`) into ``codes`` (:class:`.keycodes.SlotCodes`): one kernel call
-    (``fused.c``,
-    ``hf_sparsemax_code_slots``); False where the kernel is not there (nothing written). A slot outside the
-    cache is a ValueError."""
+    (``fused.c``, ``hf_sparsemax_code_slots``); False where the kernel is not there (nothing written). A slot
+    outside the cache is a ValueError."""
     if not available() or key_rows.dtype not in KEY_DTYPES or key_rows.stride(-1) != 1:
         return False
     size = checked_slot_codes(codes, checked("key rows", key_rows, (None, None, None), key_rows.device))
