@@ -295,6 +295,26 @@ def test_a_slot_outside_the_cache_is_refused():
     assert fused.paged_decode(query, rows, rows, torch.tensor([[0, 7]]), None, 1.5, SCALE) is not None
 
 
+def test_slots_checked_once_a_step_serve_its_layers_and_are_checked_again_for_another_cache():
+    """An engine step checks its slots once (:class:`fused.CheckedSlots`) for every layer's call: the same output as
+    the plain slots; handed to a call on a cache of fewer rows they are checked again (a ValueError, never read)."""
+    from hf_sparsemax.attention.cpu import fused
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    rows = torch.randn(8, KV_HEADS, DIM)
+    query = torch.randn(1, KV_HEADS, 2, 1, DIM)
+    slots = torch.tensor([[0, 7, 3]])
+    checked = fused.checked_slots(slots, 8)
+    assert fused.checked_slots(checked, 8) is checked  # checked once: not again for the step's next layer
+    assert torch.equal(fused.paged_decode(query, rows, rows, checked, None, 1.5, SCALE),
+                       fused.paged_decode(query, rows, rows, slots, None, 1.5, SCALE))
+    with pytest.raises(ValueError, match="slot outside"):
+        fused.paged_decode(query, rows[:7], rows[:7], checked, None, 1.5, SCALE)
+    with pytest.raises(ValueError, match="slot outside"):
+        fused.checked_slots(torch.tensor([[0, 8]]), 8)
+
+
 CERTIFIED = [a for a in KERNEL_SERVED if a[1].get("alpha") != 1.3] + [("entmax_bisect", {"alpha": 1.3})]
 LONG = [1105, 1049, 1064]  # at least MIN_KEYS keys when decoding: the int8 certificate on
 LONG_STEPS = ({0: 1100, 1: 600, 2: 512}, {1: 446, 2: 548, 0: 1}, {0: 1, 1: 1, 2: 1}, {2: 1, 0: 1, 1: 1},
@@ -433,3 +453,43 @@ def test_a_whole_prompt_on_its_own_keys_equals_its_keys_gathered(attn, options, 
         for request in steps:
             assert torch.equal(again[request], out[request])
     assert calls == [9, 12, 5, 9]
+
+
+def test_codes_written_with_chunks_and_a_cached_prefix_are_the_keys_codes(monkeypatch):
+    """Once a cache keeps the certificate's codes (a decode step of MIN_KEYS keys made them), the prompts written
+    after it (one in three chunks, one whose prefix was cached by an earlier step, each chunk's slots checked
+    once for the step's layers) get their codes at the write, in the same call: every slot's codes equal codes made
+    afresh from the cache's keys, and the steps that decode over them (certified, three layers sharing one plan)
+    equal, bit for bit, the same steps without the certificate."""
+    from hf_sparsemax.attention.blocked.keycodes import COUNTS, SlotCodes, reset_counts
+    from hf_sparsemax.attention.cpu import fused
+
+    if not fused.available():
+        pytest.skip("no C compiler")
+    _, attention = layer_of("entmax15", {})
+    seqs = sequences([1045, 1072, 1092], seed=13)
+    steps = ({0: 1039}, {0: 1}, {1: 400, 2: 500, 0: 1}, {1: 400, 2: 590, 0: 1}, {1: 270, 0: 1},
+             {0: 1, 1: 1, 2: 1}, {2: 1, 1: 1, 0: 1})  # codes made at the second step, before requests 1 and 2
+
+    def run(skip):
+        monkeypatch.setenv("HF_SPARSEMAX_KV_SKIP", "1" if skip else "0")
+        engine = FakeEngine(seqs, blocks=220, seed=14, block=16)
+        outputs = [engine.step(step, attention, layers=3) for step in steps]
+        assert engine.done == [1045, 1072, 1092]
+        return engine, outputs
+
+    reset_counts()
+    certified, with_codes = run(skip=True)
+    codes = paged.SLOT_CODES[certified.cache]
+    keys = paged.cache_rows(certified.cache)[:, 0]
+    fresh = SlotCodes(keys)
+    slots = (~torch.isnan(keys).any(-1).any(-1)).nonzero().squeeze(1)  # the written slots (the rest: NaN)
+    assert len(slots) == sum(certified.done)
+    for name in ("codes", "scales", "residuals"):
+        assert torch.equal(getattr(codes, name)[:, slots], getattr(fresh, name)[:, slots]), name
+    assert COUNTS["calls"] > 0 and COUNTS["certified"] > 0
+    _, without = run(skip=False)
+    for got, expected in zip(with_codes, without):
+        assert got.keys() == expected.keys()
+        for request in got:
+            assert torch.equal(got[request], expected[request])

@@ -39,6 +39,7 @@ import ctypes
 import functools
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -270,6 +271,28 @@ def check_slots(slots: torch.Tensor, rows: int) -> None:
         raise ValueError(f"fused attention kernel: a slot outside the cache's {rows} rows")
 
 
+class CheckedSlots(NamedTuple):
+    """Slots (int64, contiguous, on the cache's device) that :func:`checked_slots` found inside a cache of ``rows``
+    rows: an engine step checks its slots once and hands them to every layer's kernel call (its layers' caches
+    have the same rows; a cache of other rows gets them checked again)."""
+
+    slots: torch.Tensor
+    rows: int
+
+
+def checked_slots(slots: torch.Tensor | CheckedSlots, rows: int, device=None) -> CheckedSlots:
+    """``slots`` as :class:`CheckedSlots` of a cache of ``rows`` rows (on ``device``: the cache's), checked by
+    :func:`check_slots` unless they already were for that many rows (a ValueError where one lies outside)."""
+    if isinstance(slots, CheckedSlots):
+        if slots.rows == rows and (device is None or slots.slots.device == device):
+            return slots
+        slots = slots.slots
+    slots = slots.to(device=device, dtype=torch.int64).contiguous()
+    if slots.numel():
+        check_slots(slots, rows)
+    return CheckedSlots(slots, rows)
+
+
 def checked_codes(operands, device: torch.device) -> None:
     """The int8 certificate's tensors, each ``(name, tensor, shape, dtype)``: of that dtype, contiguous (the kernel
     walks them by the layout it writes, not by their strides), of that shape, on ``device``; else a ValueError
@@ -297,18 +320,17 @@ def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     return size
 
 
-def code_slots(key_rows: torch.Tensor, slots: torch.Tensor, codes) -> bool:
+def code_slots(key_rows: torch.Tensor, slots: torch.Tensor | CheckedSlots, codes) -> bool:
     """Write the int8 codes, scales and residuals of the keys ``key_rows[slots]`` (``[slots, Hkv, D]``, every kv
-    head; ``slots [n]``) into ``codes`` (:class:`.keycodes.SlotCodes`): one kernel call (``fused.c``,
-    ``hf_sparsemax_code_slots``); False where the kernel is not there (nothing written). A slot outside the
-    cache is a ValueError."""
+    head; ``slots [n]``, or :class:`CheckedSlots`) into ``codes`` (:class:`.keycodes.SlotCodes`): one kernel call
+    (``fused.c``, ``hf_sparsemax_code_slots``); False where the kernel is not there (nothing written). A slot
+    outside the cache is a ValueError."""
     if not available() or key_rows.dtype not in KEY_DTYPES or key_rows.stride(-1) != 1:
         return False
     size = checked_slot_codes(codes, checked("key rows", key_rows, (None, None, None), key_rows.device))
-    slots = slots.to(device=key_rows.device, dtype=torch.int64).contiguous()
+    slots = checked_slots(slots, key_rows.shape[0], key_rows.device).slots
     if slots.numel() == 0:
         return True
-    check_slots(slots, key_rows.shape[0])
     params = Params(kv_heads=key_rows.shape[1], keys=slots.numel(), dim=key_rows.shape[2], key=key_rows.data_ptr(),
                     k_h=key_rows.stride(1), k_n=key_rows.stride(0), bf16=KEY_DTYPES[key_rows.dtype],
                     codes=codes.codes.data_ptr(), code_scales=codes.scales.data_ptr(),
@@ -318,27 +340,29 @@ def code_slots(key_rows: torch.Tensor, slots: torch.Tensor, codes) -> bool:
     return True
 
 
-def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor | None, alpha, scaling: float, codes=None) -> torch.Tensor | None:
+def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
+                 slots: torch.Tensor | CheckedSlots, mask: torch.Tensor | None, alpha, scaling: float,
+                 codes=None) -> torch.Tensor | None:
     """``out [B, Hkv, G q, Dv]`` (float32) of decoding rows ``query [B, Hkv, G, q, D]`` (float32) over a paged cache
     read in place: key and value ``j`` of batch row ``b`` are ``key_rows[slots[b, j]]`` / ``value_rows[...]``
     (``[slots, Hkv, D]`` views of the engine's cache, float32 or bfloat16); ``mask`` additive, broadcastable to
     ``[B, Hkv, G, q, keys]``, or None; ``alpha`` a float in (1, 2] or ``[1, Hkv, G, 1, 1]``. None where the kernel
-    does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read).
+    does not serve the call (:func:`decode`'s rules); a slot outside the cache is a ValueError (never read;
+    :class:`CheckedSlots`: checked once for all the calls of an engine step).
 
     ``codes`` (a :class:`.keycodes.SlotCodes` of this cache, its slots coded as their keys were written, or
     None): the keys the int8 certificate excludes are not read (``fused.c``: the certificate per slot), the same
     output bit for bit; ``codes.certified [B Hkv]`` gets each task's count of keys not read (-1: every key
     read)."""
-    if not served(query, key_rows, value_rows, mask, slots.numel()):
+    tensor = slots.slots if isinstance(slots, CheckedSlots) else slots
+    if not served(query, key_rows, value_rows, mask, tensor.numel()):
         return None
     batch, kv_heads, groups, rows, dim = query.shape
-    keys, device = slots.shape[-1], query.device
+    keys, device = tensor.shape[-1], query.device
     query = checked("query", query.contiguous(), (batch, kv_heads, groups, rows, dim), device)
     checked("key rows", key_rows, (None, kv_heads, dim), device)
     checked("value rows", value_rows, (key_rows.shape[0], kv_heads, None), device)
-    slots = checked("slots", slots.to(torch.int64).contiguous(), (batch, keys), device)
-    check_slots(slots, key_rows.shape[0])
+    slots = checked("slots", checked_slots(slots, key_rows.shape[0], device).slots, (batch, keys), device)
     per_row = row_alphas(alpha, kv_heads, groups * rows, device, groups)
     if per_row is None:
         return None

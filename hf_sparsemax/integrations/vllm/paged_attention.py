@@ -30,8 +30,10 @@ one index, through transformers' blocked threshold attention (:func:`blocked_pre
 alpha per head and solver, the fused kernel's blocks included). The mappings the kernel and the blocked
 attention leave out (``sparse_softmax``, alphas solved in float64, float16 caches) are scored and solved here
 (:func:`attend`), queries in blocks whose scores stay within
-:data:`~hf_sparsemax.attention.blocked.blocks.ATTENTION_BUDGET` entries. The kernel checks the slots against the cache
-once a layer (a host read); no other value is read on the host. A request whose whole prompt is new in the step
+:data:`~hf_sparsemax.attention.blocked.blocks.ATTENTION_BUDGET` entries. The plan checks the step's slots (the
+decode requests' keys, the written rows) against the cache once, for all its layers (a host read:
+:class:`~hf_sparsemax.attention.cpu.fused.CheckedSlots`); the decode rows' gather index is made only where the
+general path gathers them. A request whose whole prompt is new in the step
 (no cached prefix, not a later chunk) is attended over the step's own keys and values (as written: cast to the
 cache's dtype), not gathered back out of the cache.
 
@@ -58,7 +60,7 @@ from ...attention.blocked.blocks import HALF, block_queries, threshold_attention
 from ...attention.blocked.keycodes import BLOCK, KeyCodes, SlotCodes, take_turn, tally
 from ...attention.blocked.pages import MIN_KEYS
 from ...attention.blocked.pages import enabled as skipping_enabled
-from ...attention.cpu.fused import KEY_DTYPES, paged_decode
+from ...attention.cpu.fused import KEY_DTYPES, CheckedSlots, checked_slots, paged_decode
 from ...attention.interface import AttentionOptions
 from ...mappings import compiled, registry
 from ...mappings._core import masked_below
@@ -224,8 +226,8 @@ class DecodePlan(NamedTuple):
     (``seen``: their keys in all, padding left out)."""
 
     tokens: slice | torch.Tensor  # their query rows (a slice when they are consecutive)
-    index: torch.Tensor  # their keys and values in the cache (:func:`gather_index`; padding: a request's first key)
-    slots: torch.Tensor  # [requests, keys] long: the cache rows of their keys, read in place by the fused kernel
+    slots: CheckedSlots  # [requests, keys] long: the cache rows of their keys (padding: a request's first key), read
+    # in place by the fused kernel, checked against the cache once a step (the general path gathers them)
     mask: torch.Tensor | None  # [requests, 1, 1, 1, keys] additive: finfo.min on the padding (None: no padding)
     requests: int
     keys: int
@@ -260,7 +262,7 @@ class StepPlan:
     heads: int
     kv_heads: int
     dtype: torch.dtype
-    write_slots: torch.Tensor  # [n] long: the cache rows of the step's first n key / value rows
+    write_slots: CheckedSlots  # [n] long: the cache rows of the step's first n key / value rows (checked once)
     write_rows: torch.Tensor | None  # which of those n rows are cached (None: all)
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
@@ -278,13 +280,14 @@ MASK_BUDGET = 1 << 20  # mask entries a step plan keeps for its prefill blocks (
 def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) -> StepPlan:
     """The :class:`StepPlan` of ``batch`` for layers with caches and queries shaped as ``kv_cache`` and ``query``
     (the only host reads of a step: its layout)."""
-    (_, kv_heads, block_size, _), (_, heads, _) = kv_cache.shape, query.shape
+    (blocks, kv_heads, block_size, _), (_, heads, _) = kv_cache.shape, query.shape
     dtype, device = query.dtype, query.device
     work = work_dtype(dtype)  # the masks' dtype
     starts, lengths = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
     new = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
     table = batch.block_table.to(device)
     write_slots, write_rows = cached_rows(batch.slot_mapping[: starts[-1]].to(device))
+    write_slots = checked_slots(write_slots, blocks * block_size, device)
     decode = None
     decoding = [request for request, count in enumerate(new) if count == 1]
     if decoding:
@@ -298,10 +301,9 @@ def step_plan(batch: PagedBatch, kv_cache: torch.Tensor, query: torch.Tensor) ->
             hidden = torch.arange(keys, device=device) >= decode_lengths[:, None]  # [requests, keys]
             mask = torch.zeros(hidden.shape, dtype=work, device=device).masked_fill_(hidden, masked_below(work))
             mask = mask[:, None, None, None]
-        slots = key_slots(table[index], decode_lengths, block_size, keys)
+        slots = checked_slots(key_slots(table[index], decode_lengths, block_size, keys), blocks * block_size, device)
         decode = DecodePlan(slice(tokens[0], tokens[-1] + 1) if consecutive else torch.tensor(tokens, device=device),
-                            gather_index(slots, kv_heads), slots, mask, len(decoding), keys,
-                            sum(lengths[request] for request in decoding))
+                            slots, mask, len(decoding), keys, sum(lengths[request] for request in decoding))
     prefills, entries = [], sum(count * lengths[request] for request, count in enumerate(new) if count > 1)
     for request in (request for request, count in enumerate(new) if count > 1):
         length, count = lengths[request], new[request]
@@ -334,10 +336,11 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if plan is None:
         slots, kept = cached_rows(slot_mapping[: min(key.shape[0], slot_mapping.shape[0])])
     else:
-        slots, kept = plan.write_slots, plan.write_rows
-    key, value = (key[: len(slots)], value[: len(slots)]) if kept is None else (key[kept], value[kept])
-    rows[:, 0].index_copy_(0, slots, key.to(rows.dtype))  # in place, key and value apart: no stacked copy
-    rows[:, 1].index_copy_(0, slots, value.to(rows.dtype))
+        slots, kept = plan.write_slots, plan.write_rows  # checked against the cache's rows once a step
+    written = slots.slots if isinstance(slots, CheckedSlots) else slots
+    key, value = (key[: len(written)], value[: len(written)]) if kept is None else (key[kept], value[kept])
+    rows[:, 0].index_copy_(0, written, key.to(rows.dtype))  # in place, key and value apart: no stacked copy
+    rows[:, 1].index_copy_(0, written, value.to(rows.dtype))
     codes = SLOT_CODES.get(kv_cache)
     if codes is not None:  # the certificate's codes of the slots just written (their new keys)
         codes.write(rows[:, 0], slots)
@@ -453,7 +456,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBat
         rows = query[decode.tokens].view(decode.requests, kv_heads, groups, 1, dim)
         found = kernel_decode(rows, kv_cache, decode, scale, attention, plan.block_size)
         if found is None:  # the general path: the keys and values gathered, the registry's solver
-            keys, values = gather(kv_cache, decode.index, decode.requests, decode.keys)
+            index = gather_index(decode.slots.slots, kv_heads)
+            keys, values = gather(kv_cache, index, decode.requests, decode.keys)
             found = attend(rows, keys, values, decode.mask, scale, attention)
         out[decode.tokens] = found.view(decode.requests, heads, dim).to(out.dtype)
     for request in plan.prefills:
