@@ -212,6 +212,31 @@ def mask_strides(mask: torch.Tensor | None, shape: tuple[int, ...], device) -> t
     return mask, checked("mask", mask, shape, device).stride()
 
 
+def decoding_params(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, alpha,
+                    keys: int, scaling: float, **layout) -> tuple[Params, torch.Tensor, torch.Tensor | None] | None:
+    """``(params, out, alphas)`` of a decoding kernel call, what :func:`decode` and :func:`paged_decode` share:
+    ``query [B, Hkv, G, q, D]`` (checked, contiguous), ``keys`` keys a row, ``key`` / ``value`` the tensors the
+    kernel reads (their dtype, pointers and value head size), the alphas by :func:`row_alphas`, the mask broadcast
+    by :func:`mask_strides`, the output made; ``layout``: the call's strides of the keys and values (and slots).
+    ``alphas``: the float32 alphas the kernel reads (None: the fixed alpha), to be held until it has run. None
+    where the kernel does not serve that alpha."""
+    batch, kv_heads, groups, rows, dim = query.shape
+    per_row = row_alphas(alpha, kv_heads, groups * rows, query.device, groups)
+    if per_row is None:
+        return None
+    alphas = per_row[0]
+    mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), query.device)
+    out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
+    params = solver_params(
+        batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value.shape[-1],
+        q_rows=rows, query=query.data_ptr(), key=key.data_ptr(), value=value.data_ptr(),
+        mask=None if mask is None else mask.data_ptr(), alphas=None if alphas is None else alphas.data_ptr(),
+        out=out.data_ptr(), m_b=strides[0], m_h=strides[1], m_g=strides[2], m_r=strides[3], m_n=strides[4],
+        scaling=scaling, fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype],
+        **layout)
+    return params, out, alphas
+
+
 def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
            certify: bool = False) -> torch.Tensor | None:
     """``out [B, Hkv, G q, D]`` (float32) of a decoding call's :class:`.blocks.Problem` (``alpha`` a float, or
@@ -229,20 +254,12 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
     query = checked("query", query.contiguous(), (batch, kv_heads, groups, rows, dim), device)
     checked("key", key, (batch, kv_heads, keys, dim), device)
     checked("value", value, (batch, kv_heads, keys, None), device)
-    per_row = row_alphas(alpha, kv_heads, groups * rows, device, groups)
-    if per_row is None:
+    call = decoding_params(query, key, value, mask, alpha, keys, problem.scaling, k_b=key.stride(0),
+                           k_h=key.stride(1), k_n=key.stride(2), v_b=value.stride(0), v_h=value.stride(1),
+                           v_n=value.stride(2))
+    if call is None:
         return None
-    alphas = per_row[0]
-    mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), device)
-    out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
-    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    params = solver_params(
-        batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value.shape[-1],
-        q_rows=rows, query=pointer(query), key=pointer(key), value=pointer(value), mask=pointer(mask),
-        alphas=pointer(alphas), out=out.data_ptr(), k_b=key.stride(0), k_h=key.stride(1), k_n=key.stride(2),
-        v_b=value.stride(0), v_h=value.stride(1), v_n=value.stride(2), m_b=strides[0], m_h=strides[1],
-        m_g=strides[2], m_r=strides[3], m_n=strides[4], scaling=problem.scaling,
-        fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key.dtype])
+    params, out, _alphas = call  # (the alphas' tensor held while the kernel reads it)
     if codes is not None:
         size = codes.codes.shape[2] if codes.codes.dim() == 4 else -1
         if (not (codes.coded <= length <= min(keys, size)) or size % CERTIFICATE["CODE_BLOCK"]
@@ -363,20 +380,12 @@ def paged_decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     checked("key rows", key_rows, (None, kv_heads, dim), device)
     checked("value rows", value_rows, (key_rows.shape[0], kv_heads, None), device)
     slots = checked("slots", checked_slots(slots, key_rows.shape[0], device).slots, (batch, keys), device)
-    per_row = row_alphas(alpha, kv_heads, groups * rows, device, groups)
-    if per_row is None:
+    call = decoding_params(query, key_rows, value_rows, mask, alpha, keys, scaling, k_h=key_rows.stride(1),
+                           k_n=key_rows.stride(0), v_h=value_rows.stride(1), v_n=value_rows.stride(0),
+                           slots=slots.data_ptr(), s_b=keys)
+    if call is None:
         return None
-    alphas = per_row[0]
-    mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), device)
-    out = new_output(batch, kv_heads, groups * rows, value_rows.shape[-1])
-    params = solver_params(
-        batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value_rows.shape[-1],
-        q_rows=rows, query=query.data_ptr(), key=key_rows.data_ptr(), value=value_rows.data_ptr(),
-        mask=None if mask is None else mask.data_ptr(), alphas=None if alphas is None else alphas.data_ptr(),
-        out=out.data_ptr(), k_h=key_rows.stride(1), k_n=key_rows.stride(0), v_h=value_rows.stride(1),
-        v_n=value_rows.stride(0), m_b=strides[0], m_h=strides[1], m_g=strides[2], m_r=strides[3], m_n=strides[4],
-        scaling=scaling, fixed_alpha=0.0 if alphas is not None else float(alpha), bf16=KEY_DTYPES[key_rows.dtype],
-        slots=slots.data_ptr(), s_b=keys)
+    params, out, _alphas = call  # (the alphas' tensor held while the kernel reads it)
     if codes is not None:
         params.c_h = checked_slot_codes(codes, key_rows)
         codes.certified = torch.full((batch * kv_heads,), -1, dtype=torch.int64)
