@@ -77,6 +77,64 @@ def test_the_passkey_prompt_has_the_context_and_the_needle_at_its_depth():
         lc.passkey_prompt(tokenizer, 150, 0.5, 12345)
 
 
+@pytest.mark.parametrize("attn", ["softmax", "entmax15"])
+def test_the_shared_prefix_gives_each_prompt_its_own_prefill(model, attn):
+    """Cells taken by increasing prefix, each from a copy of the shared cache: the answer logits of the whole
+    prompt prefilled at once, and the shared cache never holds a cell's own tokens."""
+    import copy
+
+    import hf_sparsemax as hs
+
+    patched = copy.deepcopy(model)
+    if attn != "softmax":
+        hs.patch_model(patched, attn=attn)
+    tokenizer = char_tokenizer()
+    cells = sorted((lc.passkey_parts(tokenizer, 400, depth, key) for depth, key in ((0.7, 12345), (0.2, 67890),
+                                                                                     (0.7, 13579))),
+                   key=lambda c: len(c[0]))
+    shared = lc.SharedPrefix(patched)
+    with torch.no_grad():
+        for prefix, rest, _ in cells:
+            cache = shared.grown_to(prefix)
+            assert cache.get_seq_length() == len(prefix) == len(shared.ids)
+            got = patched(input_ids=torch.tensor([rest]), past_key_values=cache, use_cache=True).logits[0, -1]
+            want = patched(input_ids=torch.tensor([prefix + rest])).logits[0, -1]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert shared.cache.get_seq_length() == len(prefix)
+    with pytest.raises(ValueError, match="increasing order"):
+        shared.grown_to(cells[0][0][:-1])
+
+
+def test_the_passkey_cells_are_the_whole_prompts(monkeypatch):
+    """passkey (cells reordered by prefix, each from the shared cache): the prompts the loops draw, each decoded
+    to the tokens a fresh prefill of the whole prompt gives, and the accuracy of those tokens."""
+    import random
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=105, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512)).eval()
+    spec = lc.LongSpec(contexts=[700, 340, 400], depths=[0.8, 0.1], trials=2, rope_factor=2.0, decode_context=400,
+                       decode_steps=2, seed=3)  # 700: rope x2, a second shared prefix
+    seen, original = {}, lc.greedy
+    monkeypatch.setattr(lc, "greedy", lambda m, prompt, *a, **k: seen.setdefault(tuple(prompt), original(m, prompt, *a, **k)))
+    got = lc.passkey(model, tokenizer, spec)
+    rng, want = random.Random(3), {}
+    with torch.no_grad():
+        for context in spec.contexts:
+            for depth in spec.depths:
+                right = 0
+                for _ in range(spec.trials):
+                    prompt, answer = lc.passkey_prompt(tokenizer, context, depth, rng.randrange(10000, 100000))
+                    with lc.extended_rope(model, lc.rope_for(model, context, spec.rope_factor)):
+                        tokens, _ = original(model, prompt, len(answer))
+                    assert seen.pop(tuple(prompt))[0] == tokens
+                    right += tokens == answer
+                want.setdefault(str(context), {})[f"{depth:g}"] = right / spec.trials
+    assert not seen and got["passkey_accuracy"] == want and got["decode"]["context"] == 400
+
+
 class MergingTokenizer:
     """Characters, except that "s" and a following space are one token: the answer's space merges with the
     question's last letter."""

@@ -11,7 +11,9 @@ For a trained model, on held-out text and a synthetic retrieval task:
   5-digit pass key, then the question; the answer is decoded greedily from a ``DynamicCache`` (the prefill,
   then one step per answer token) and counts when every answer token is right. The tokenizer must give the
   answer's tokens unchanged after the question (SmolLM2: a space, then one token per digit); one that merges
-  them across the boundary is refused (``ValueError``), never scored on a different split.
+  them across the boundary is refused (``ValueError``), never scored on a different split. Every prompt begins
+  with the same tokens (the instruction, then the filler up to its needle), so the cells of one rotary setting
+  share one prefill of that prefix (:class:`SharedPrefix`), each cell feeding only the rest of its prompt.
 - ``attention_zero_share``: the share of the attention weights that are exactly 0 (every layer and head, the
   cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
   (:func:`hf_sparsemax.app.curves.measure`).
@@ -155,8 +157,10 @@ def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKET
 
 # -- the passkey task
 
-def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int]]:
-    """``(prompt ids of exactly context tokens, answer ids)`` (module docstring), or a ``ValueError``."""
+def passkey_parts(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int], list[int]]:
+    """``(prefix, rest, answer ids)``: the prompt of exactly ``context`` tokens is ``prefix + rest``, where ``prefix``
+    (the instruction and the filler before the needle) is a prefix of the same token sequence for every context,
+    depth and key (what :func:`passkey` shares between its cells); or a ``ValueError`` (module docstring)."""
     def encode(text):
         return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -173,7 +177,13 @@ def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[lis
     filler = (unit * (room // len(unit) + 1))[:room]
     cut = round(depth * room / len(unit)) * len(unit)  # the sentence-group boundary nearest the depth
     cut = min(cut, room)
-    return intro + filler[:cut] + needle + filler[cut:] + question, answer
+    return intro + filler[:cut], needle + filler[cut:] + question, answer
+
+
+def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int]]:
+    """``(prompt ids of exactly context tokens, answer ids)`` (module docstring), or a ``ValueError``."""
+    prefix, rest, answer = passkey_parts(tokenizer, context, depth, key)
+    return prefix + rest, answer
 
 
 @contextlib.contextmanager
@@ -197,69 +207,115 @@ def step(model, token: torch.Tensor, cache) -> torch.Tensor:
     return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
 
 
-def greedy(model, prompt: list[int], steps: int, timed: int = 0) -> tuple[list[int], dict[str, Any]]:
+@contextlib.contextmanager
+def counted(into: dict[str, int]):
+    """While the block runs: the int8 certificate's counts (:data:`keycodes.COUNTS`) it adds, summed into ``into``."""
+    from ..attention.blocked import keycodes
+
+    before = dict(keycodes.COUNTS)
+    try:
+        yield
+    finally:
+        for name, value in keycodes.COUNTS.items():
+            into[name] = into.get(name, 0) + value - before[name]
+
+
+def greedy(model, prompt: list[int], steps: int, timed: int = 0, cache=None,
+           counts: dict[str, int] | None = None) -> tuple[list[int], dict[str, Any]]:
     """``steps`` greedy tokens after ``prompt`` from a ``DynamicCache``; with ``timed``, that many more steps,
     each timed alternately with the same step of the same model, its attention switched to sdpa
-    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``."""
+    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``. ``cache``: one that holds the
+    prompt's first tokens already (its length says how many; those are not fed again). ``counts``: the
+    certificate's counts of the decoding steps (not of the prompt) are added to it (:func:`counted`)."""
     from transformers import DynamicCache
 
     inner = base_model(model)
-    cache = DynamicCache(config=inner.config)
-    out = model(input_ids=torch.tensor([prompt], device=inner.device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    cache = DynamicCache(config=inner.config) if cache is None else cache
+    fed = cache.get_seq_length()
+    if not 0 <= fed < len(prompt):
+        raise ValueError(f"the cache holds {fed} tokens of a prompt of {len(prompt)}: nothing left to feed")
+    out = model(input_ids=torch.tensor([prompt[fed:]], device=inner.device), past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [int(token)]
-    for _ in range(steps - 1):
-        token = step(model, token, cache)
-        tokens.append(int(token))
-    if not timed:
-        return tokens, {}
-    twin, twin_token = copy.deepcopy(cache), token
-    times: dict[str, list[float]] = {"model": [], "sdpa": []}
-    for round_ in range(timed):
-        for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
-            with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
-                start = time.perf_counter()
-                if name == "model":
-                    token = step(model, token, cache)
-                else:
-                    twin_token = step(model, twin_token, twin)
-                times[name].append(time.perf_counter() - start)
+    with counted(counts if counts is not None else {}):
+        for _ in range(steps - 1):
+            token = step(model, token, cache)
+            tokens.append(int(token))
+        if not timed:
+            return tokens, {}
+        twin, twin_token = copy.deepcopy(cache), token
+        times: dict[str, list[float]] = {"model": [], "sdpa": []}
+        for round_ in range(timed):
+            for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
+                with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    if name == "model":
+                        token = step(model, token, cache)
+                    else:
+                        twin_token = step(model, twin_token, twin)
+                    times[name].append(time.perf_counter() - start)
     model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
     return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
                     "steps": timed, "context": len(prompt)}
 
 
-def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
-    """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring)."""
-    from ..attention.blocked import keycodes
+class SharedPrefix:
+    """One growing ``DynamicCache`` of the passkey prompts' common prefix (:func:`passkey_parts`): the cells of
+    one rotary setting, taken by increasing prefix, each start from a copy of it grown to their own prefix. The
+    keys and values of a position depend on the tokens up to it only, so the copy holds what the cell's own
+    prefill would compute: the whole prompt is the model's, fed in two parts instead of one."""
 
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.ids = model, []
+        self.cache = DynamicCache(config=base_model(model).config)
+
+    def grown_to(self, prefix: list[int]):
+        """A copy of the cache holding ``prefix`` (a longer prefix than any before; the same sequence)."""
+        if prefix[:len(self.ids)] != self.ids or len(prefix) < len(self.ids):
+            raise ValueError("passkey prefixes must be taken in increasing order, each extending the last")
+        if len(prefix) > len(self.ids):
+            device = base_model(self.model).device
+            self.model(input_ids=torch.tensor([prefix[len(self.ids):]], device=device), past_key_values=self.cache,
+                       use_cache=True, logits_to_keep=1)
+            self.ids = list(prefix)
+        return copy.deepcopy(self.cache)
+
+
+def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
+    """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring). The cells
+    (context, depth, trial) of one rotary setting share the prefill of their common prefix (:class:`SharedPrefix`)."""
     model.eval()
-    for context in spec.contexts:  # every context checked before any is run
-        rope_for(model, context, spec.rope_factor)
+    ropes = {context: rope_for(model, context, spec.rope_factor) for context in spec.contexts}  # all checked first
     rng = random.Random(spec.seed)
-    accuracy: dict[str, dict[str, float]] = {}
-    never: dict[str, float | None] = {}
+    cells = []  # (rope, prefix, rest, answer, context, depth): the keys drawn in the order of the loops
+    for context in spec.contexts:
+        for depth in spec.depths:
+            for _ in range(spec.trials):
+                prefix, rest, answer = passkey_parts(tokenizer, context, depth, rng.randrange(10000, 100000))
+                cells.append((ropes[context], prefix, rest, answer, context, depth))
+    right: dict[tuple[int, float], int] = {}
+    counts: dict[int, dict[str, int]] = {context: {} for context in spec.contexts}
     decode: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     with torch.no_grad():
-        for context in spec.contexts:
+        for rope in dict.fromkeys(ropes.values()):
             began = time.perf_counter()
-            keycodes.reset_counts()
-            row = accuracy.setdefault(str(context), {})
-            with extended_rope(model, rope_for(model, context, spec.rope_factor)):
-                for depth in spec.depths:
-                    right = 0
-                    for trial in range(spec.trials):
-                        key = rng.randrange(10000, 100000)
-                        prompt, answer = passkey_prompt(tokenizer, context, depth, key)
-                        timed = spec.decode_steps if context == spec.decode_context and not decode else 0
-                        tokens, timing = greedy(model, prompt, len(answer), timed)
-                        decode.update(timing)
-                        right += tokens == answer
-                    row[f"{depth:g}"] = right / spec.trials
-            never[str(context)] = keycodes.certified_share() if keycodes.COUNTS["calls"] else None
-            seconds[str(context)] = round(time.perf_counter() - began, 1)
+            group = sorted((c for c in cells if c[0] == rope), key=lambda c: len(c[1]))
+            with extended_rope(model, rope):
+                shared = SharedPrefix(model)
+                for _, prefix, rest, answer, context, depth in group:
+                    timed = spec.decode_steps if context == spec.decode_context and not decode else 0
+                    tokens, timing = greedy(model, prefix + rest, len(answer), timed, shared.grown_to(prefix),
+                                            counts[context])
+                    decode.update(timing)
+                    right[context, depth] = right.get((context, depth), 0) + (tokens == answer)
+            seconds["rope x%g" % rope if rope else "positions"] = round(time.perf_counter() - began, 1)
+    accuracy = {str(c): {f"{d:g}": right[c, d] / spec.trials for d in spec.depths} for c in spec.contexts}
+    never = {str(c): counts[c]["certified"] / counts[c]["keys"] if counts[c].get("calls") else None
+             for c in spec.contexts}
     return {"passkey_accuracy": accuracy, "keys_never_read_by_context": never,
             "keys_never_read": never.get(str(spec.decode_context)), "decode": decode, "passkey_seconds": seconds}
 
