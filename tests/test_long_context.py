@@ -225,3 +225,31 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # 
     text = (out / "report.md").read_text()
     assert "## At length" in text and "Passkey accuracy at 2200 tokens, rope x2.0" in text
     assert "(passkey_heatmap.png)" in text and (out / "passkey_heatmap.png").is_file()
+
+
+def test_the_length_scale_trains_at_its_own_learning_rate(model, tmp_path):
+    """scale_learning_rate: the length scale's delta, beta, gamma in one optimizer group at that rate, without
+    weight decay, and nowhere else; a variant without a learned query scale is refused."""
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    import hf_sparsemax as hs
+    from hf_sparsemax.app import runner
+
+    patched = copy.deepcopy(model)
+    hs.patch_model(patched, attn="entmax15", attn_options={"length_scale": True})
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.1, use_cpu=True,
+                             report_to="none")
+    trainer = runner.own_rate_trainer(Trainer, {"query_scale": 0.05})(model=patched, args=args)
+    groups = trainer.create_optimizer().param_groups
+    scales = {id(p) for _, p in hs.query_scale_parameters(patched)}
+    assert len(scales) == 3 * 2  # delta, beta, gamma of 2 layers
+    own = [g for g in groups if g.get("hf_sparsemax_group") == "query_scale"]
+    assert len(own) == 1 and {id(p) for p in own[0]["params"]} == scales
+    assert own[0]["lr"] == 0.05 and own[0]["weight_decay"] == 0.0
+    assert not any(id(p) in scales for g in groups if g is not own[0] for p in g["params"])
+    with pytest.raises(RecipeError, match="scale_learning_rate is the learning rate of learned query scales"):
+        load_recipe("convert_long", ["variants.entmax15_converted.scale_learning_rate=0.05"])
+    assert load_recipe("convert_long", ["variants.entmax15_converted_length.scale_learning_rate=5e-2"]).variant(
+        "entmax15_converted_length").scale_learning_rate == 0.05
