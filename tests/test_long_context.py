@@ -34,6 +34,28 @@ def test_cross_entropy_by_position_is_the_models_own_loss(model):
     assert got["150-400"] == pytest.approx(float(reference[149:].mean()), rel=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["softmax", "entmax15"])
+def test_the_zeros_are_counted_in_the_documents_own_pass(model, attn):
+    """forward_document with zeros_length: the losses of one plain forward over the whole document, and the zero
+    share that curves.measure counts on its first tokens alone."""
+    import copy
+
+    import hf_sparsemax as hs
+    from hf_sparsemax.app.curves import measure
+
+    patched = copy.deepcopy(model)
+    if attn != "softmax":  # sharper scores than the random model's: some exact zeros
+        hs.patch_model(patched, attn=attn, attn_options={"temperature": [[0.02] * 4] * 2})
+    torch.manual_seed(2)
+    ids = torch.randint(0, 105, (200,))
+    losses, zeros = lc.forward_document(patched, ids, zeros_length=64)
+    torch.testing.assert_close(losses, lc.token_losses(patched, ids), rtol=1e-5, atol=1e-6)
+    head = ids[:64]
+    want = measure(patched, [{"input_ids": head, "attention_mask": torch.ones_like(head), "labels": head}], 1, 1)
+    assert zeros == pytest.approx(want["attention_zero_share"], abs=1e-12)
+    assert (zeros > 0.2) == (attn == "entmax15") and lc.forward_document(patched, ids)[1] is None
+
+
 @pytest.mark.parametrize("ids", [torch.tensor([], dtype=torch.long), torch.tensor([3])])
 def test_an_empty_document_is_refused(model, ids):
     with pytest.raises(ValueError, match="at least 2 tokens"):

@@ -122,20 +122,63 @@ def held_out_documents(spec: LongSpec, data_spec, tokenizer) -> list[torch.Tenso
     return [torch.tensor(ids[i * spec.length:(i + 1) * spec.length]) for i in range(spec.documents)]
 
 
-def token_losses(model, ids: torch.Tensor, rope_factor: float | None = None) -> torch.Tensor:
-    """``[T - 1]`` float64: the cross-entropy of token ``p`` (from ``1``) given tokens ``0 .. p-1``."""
+def forward_document(model, ids: torch.Tensor, rope_factor: float | None = None,
+                     zeros_length: int = 0) -> tuple[torch.Tensor, float | None]:
+    """One forward pass over a document: ``(losses, zero share)``. ``losses [T - 1]`` float64: the cross-entropy
+    of token ``p`` (from ``1``) given tokens ``0 .. p-1``. With ``zeros_length``, the first that many tokens go
+    first with the attention weights returned (:func:`.curves.returning_weights`) and their exact zeros counted
+    (every layer and head, the cells the causal mask allows), the rest after them from their cache: the same
+    pass, no second prefill; else the zero share is None."""
+    from transformers import DynamicCache
+
+    from .curves import allowed_cells, returning_weights
+
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"a document must be a 1-d sequence of at least 2 tokens, got shape {tuple(ids.shape)}")
     inner = base_model(model)
     model.eval()
+    ids = ids.to(inner.device)
+    first = min(zeros_length, ids.numel())
+    zero_share, hidden = None, []
     with torch.no_grad(), extended_rope(model, rope_for(model, ids.numel(), rope_factor)):
-        hidden = inner.model(input_ids=ids[None].to(inner.device), use_cache=False).last_hidden_state[0]
+        cache = DynamicCache(config=inner.config) if first else None
+        if first:
+            with returning_weights(model):
+                out = inner.model(input_ids=ids[None, :first], past_key_values=cache, use_cache=True,
+                                  output_attentions=True)
+            allowed = allowed_cells(torch.ones(1, first, dtype=torch.long, device=ids.device), first)
+            zeros = sum(float((w[allowed.expand_as(w)] == 0).sum()) for w in out.attentions)
+            zero_share = zeros / (float(allowed.sum()) * sum(w.shape[1] for w in out.attentions))
+            hidden.append(out.last_hidden_state[0])
+            del out
+        if first < ids.numel():
+            hidden.append(inner.model(input_ids=ids[None, first:], past_key_values=cache,
+                                      use_cache=cache is not None).last_hidden_state[0])
+        hidden = torch.cat(hidden)
         head = inner.get_output_embeddings()
-        targets = ids[1:].to(hidden.device)
-        out = [F.cross_entropy(head(hidden[s:s + LOGIT_CHUNK]).float()[: targets.numel() - s],
-                               targets[s:s + LOGIT_CHUNK], reduction="none")
-               for s in range(0, targets.numel(), LOGIT_CHUNK)]
-    return torch.cat(out).double().cpu()
+        targets = ids[1:]
+        losses = [F.cross_entropy(head(hidden[s:s + LOGIT_CHUNK]).float()[: targets.numel() - s],
+                                  targets[s:s + LOGIT_CHUNK], reduction="none")
+                  for s in range(0, targets.numel(), LOGIT_CHUNK)]
+    return torch.cat(losses).double().cpu(), zero_share
+
+
+def token_losses(model, ids: torch.Tensor, rope_factor: float | None = None) -> torch.Tensor:
+    """``[T - 1]`` float64: the cross-entropy of token ``p`` (from ``1``) given tokens ``0 .. p-1``."""
+    return forward_document(model, ids, rope_factor)[0]
+
+
+def bucket_means(losses: list[torch.Tensor], buckets=BUCKETS) -> dict[str, float]:
+    """``{"lo-hi": mean of the losses of the tokens at positions [lo, hi)}`` over documents' :func:`token_losses`."""
+    sums: dict[str, list[float]] = {}
+    for loss in losses:  # loss[p - 1]: the token at position p
+        for lo, hi in buckets:
+            part = loss[max(lo, 1) - 1:hi - 1]
+            if part.numel():
+                total = sums.setdefault(f"{lo}-{hi}", [0.0, 0])
+                total[0] += float(part.sum())
+                total[1] += part.numel()
+    return {name: s / n for name, (s, n) in sums.items()}
 
 
 def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
@@ -143,16 +186,7 @@ def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKET
     """``{"lo-hi": mean cross-entropy of the tokens at positions [lo, hi)}`` over ``documents`` (module docstring)."""
     if not documents:
         raise ValueError("cross_entropy_by_length needs at least one document")
-    sums: dict[str, list[float]] = {}
-    for ids in documents:
-        losses = token_losses(model, ids, rope_factor)  # losses[p - 1]: the token at position p
-        for lo, hi in buckets:
-            part = losses[max(lo, 1) - 1:hi - 1]
-            if part.numel():
-                total = sums.setdefault(f"{lo}-{hi}", [0.0, 0])
-                total[0] += float(part.sum())
-                total[1] += part.numel()
-    return {name: s / n for name, (s, n) in sums.items()}
+    return bucket_means([token_losses(model, ids, rope_factor) for ids in documents], buckets)
 
 
 # -- the passkey task
@@ -320,22 +354,20 @@ def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
             "keys_never_read": never.get(str(spec.decode_context)), "decode": decode, "passkey_seconds": seconds}
 
 
-def zero_share(model, document: torch.Tensor, length: int) -> float:
-    """Exact attention zeros, every layer and head, on the first ``length`` tokens of ``document``."""
-    from .curves import measure
-
-    ids = document[:length].long()
-    item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    return measure(model, [item], 1, 1)["attention_zero_share"]
-
-
 def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
-    """Every measurement of the module docstring, as ``results.json`` keys."""
+    """Every measurement of the module docstring, as ``results.json`` keys; ``long_context`` adds the spec and the
+    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included)."""
+    if not documents:
+        raise ValueError("the evaluation at length needs at least one document")
     start = time.perf_counter()
-    out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
+    losses, zero_share = [], None
+    for index, ids in enumerate(documents):  # the zeros counted on the first document's first tokens, same pass
+        loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
+        losses.append(loss)
+        zero_share = zeros if index == 0 else zero_share
+    out = {"cross_entropy_by_length": bucket_means(losses), "attention_zero_share": zero_share}
     ce_seconds = time.perf_counter() - start
     out.update(passkey(model, tokenizer, spec))
-    out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
                            "seconds": round(time.perf_counter() - start, 1), "ce_seconds": round(ce_seconds, 1),
                            "passkey_seconds": out.pop("passkey_seconds")}
