@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -356,10 +357,11 @@ def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
 
 def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
     """Every measurement of the module docstring, as ``results.json`` keys; ``long_context`` adds the spec and the
-    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included)."""
+    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included;
+    ``passkey_seconds`` per rotary setting), the process's CPU seconds (every thread) and the load at the end."""
     if not documents:
         raise ValueError("the evaluation at length needs at least one document")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     losses, zero_share = [], None
     for index, ids in enumerate(documents):  # the zeros counted on the first document's first tokens, same pass
         loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
@@ -370,5 +372,6 @@ def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) ->
     out.update(passkey(model, tokenizer, spec))
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
                            "seconds": round(time.perf_counter() - start, 1), "ce_seconds": round(ce_seconds, 1),
+                           "cpu_seconds": round(time.process_time() - cpu, 1), "load": round(os.getloadavg()[0], 2),
                            "passkey_seconds": out.pop("passkey_seconds")}
     return out
