@@ -34,6 +34,28 @@ def test_cross_entropy_by_position_is_the_models_own_loss(model):
     assert got["150-400"] == pytest.approx(float(reference[149:].mean()), rel=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["softmax", "entmax15"])
+def test_the_zeros_are_counted_in_the_documents_own_pass(model, attn):
+    """forward_document with zeros_length: the losses of one plain forward over the whole document, and the zero
+    share that curves.measure counts on its first tokens alone."""
+    import copy
+
+    import hf_sparsemax as hs
+    from hf_sparsemax.app.curves import measure
+
+    patched = copy.deepcopy(model)
+    if attn != "softmax":  # sharper scores than the random model's: some exact zeros
+        hs.patch_model(patched, attn=attn, attn_options={"temperature": [[0.02] * 4] * 2})
+    torch.manual_seed(2)
+    ids = torch.randint(0, 105, (200,))
+    losses, zeros = lc.forward_document(patched, ids, zeros_length=64)
+    torch.testing.assert_close(losses, lc.token_losses(patched, ids), rtol=1e-5, atol=1e-6)
+    head = ids[:64]
+    want = measure(patched, [{"input_ids": head, "attention_mask": torch.ones_like(head), "labels": head}], 1, 1)
+    assert zeros == pytest.approx(want["attention_zero_share"], abs=1e-12)
+    assert (zeros > 0.2) == (attn == "entmax15") and lc.forward_document(patched, ids)[1] is None
+
+
 @pytest.mark.parametrize("ids", [torch.tensor([], dtype=torch.long), torch.tensor([3])])
 def test_an_empty_document_is_refused(model, ids):
     with pytest.raises(ValueError, match="at least 2 tokens"):
@@ -75,6 +97,64 @@ def test_the_passkey_prompt_has_the_context_and_the_needle_at_its_depth():
         assert abs(cut - depth * room) <= len(lc.FILLER) / 2 and cut % len(lc.FILLER) == 0
     with pytest.raises(ValueError, match="no room for filler"):
         lc.passkey_prompt(tokenizer, 150, 0.5, 12345)
+
+
+@pytest.mark.parametrize("attn", ["softmax", "entmax15"])
+def test_the_shared_prefix_gives_each_prompt_its_own_prefill(model, attn):
+    """Cells taken by increasing prefix, each from a copy of the shared cache: the answer logits of the whole
+    prompt prefilled at once, and the shared cache never holds a cell's own tokens."""
+    import copy
+
+    import hf_sparsemax as hs
+
+    patched = copy.deepcopy(model)
+    if attn != "softmax":
+        hs.patch_model(patched, attn=attn)
+    tokenizer = char_tokenizer()
+    cells = sorted((lc.passkey_parts(tokenizer, 400, depth, key) for depth, key in ((0.7, 12345), (0.2, 67890),
+                                                                                     (0.7, 13579))),
+                   key=lambda c: len(c[0]))
+    shared = lc.SharedPrefix(patched)
+    with torch.no_grad():
+        for prefix, rest, _ in cells:
+            cache = shared.grown_to(prefix)
+            assert cache.get_seq_length() == len(prefix) == len(shared.ids)
+            got = patched(input_ids=torch.tensor([rest]), past_key_values=cache, use_cache=True).logits[0, -1]
+            want = patched(input_ids=torch.tensor([prefix + rest])).logits[0, -1]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert shared.cache.get_seq_length() == len(prefix)
+    with pytest.raises(ValueError, match="increasing order"):
+        shared.grown_to(cells[0][0][:-1])
+
+
+def test_the_passkey_cells_are_the_whole_prompts(monkeypatch):
+    """passkey (cells reordered by prefix, each from the shared cache): the prompts the loops draw, each decoded
+    to the tokens a fresh prefill of the whole prompt gives, and the accuracy of those tokens."""
+    import random
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=105, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512)).eval()
+    spec = lc.LongSpec(contexts=[700, 340, 400], depths=[0.8, 0.1], trials=2, rope_factor=2.0, decode_context=400,
+                       decode_steps=2, seed=3)  # 700: rope x2, a second shared prefix
+    seen, original = {}, lc.greedy
+    monkeypatch.setattr(lc, "greedy", lambda m, prompt, *a, **k: seen.setdefault(tuple(prompt), original(m, prompt, *a, **k)))
+    got = lc.passkey(model, tokenizer, spec)
+    rng, want = random.Random(3), {}
+    with torch.no_grad():
+        for context in spec.contexts:
+            for depth in spec.depths:
+                right = 0
+                for _ in range(spec.trials):
+                    prompt, answer = lc.passkey_prompt(tokenizer, context, depth, rng.randrange(10000, 100000))
+                    with lc.extended_rope(model, lc.rope_for(model, context, spec.rope_factor)):
+                        tokens, _ = original(model, prompt, len(answer))
+                    assert seen.pop(tuple(prompt))[0] == tokens
+                    right += tokens == answer
+                want.setdefault(str(context), {})[f"{depth:g}"] = right / spec.trials
+    assert not seen and got["passkey_accuracy"] == want and got["decode"]["context"] == 400
 
 
 class MergingTokenizer:
@@ -167,3 +247,31 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # 
     text = (out / "report.md").read_text()
     assert "## At length" in text and "Passkey accuracy at 2200 tokens, rope x2.0" in text
     assert "(passkey_heatmap.png)" in text and (out / "passkey_heatmap.png").is_file()
+
+
+def test_the_length_scale_trains_at_its_own_learning_rate(model, tmp_path):
+    """scale_learning_rate: the length scale's delta, beta, gamma in one optimizer group at that rate, without
+    weight decay, and nowhere else; a variant without a learned query scale is refused."""
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    import hf_sparsemax as hs
+    from hf_sparsemax.app import runner
+
+    patched = copy.deepcopy(model)
+    hs.patch_model(patched, attn="entmax15", attn_options={"length_scale": True})
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.1, use_cpu=True,
+                             report_to="none")
+    trainer = runner.own_rate_trainer(Trainer, {"query_scale": 0.05})(model=patched, args=args)
+    groups = trainer.create_optimizer().param_groups
+    scales = {id(p) for _, p in hs.query_scale_parameters(patched)}
+    assert len(scales) == 3 * 2  # delta, beta, gamma of 2 layers
+    own = [g for g in groups if g.get("hf_sparsemax_group") == "query_scale"]
+    assert len(own) == 1 and {id(p) for p in own[0]["params"]} == scales
+    assert own[0]["lr"] == 0.05 and own[0]["weight_decay"] == 0.0
+    assert not any(id(p) in scales for g in groups if g is not own[0] for p in g["params"])
+    with pytest.raises(RecipeError, match="scale_learning_rate is the learning rate of learned query scales"):
+        load_recipe("convert_long", ["variants.entmax15_converted.scale_learning_rate=0.05"])
+    assert load_recipe("convert_long", ["variants.entmax15_converted_length.scale_learning_rate=5e-2"]).variant(
+        "entmax15_converted_length").scale_learning_rate == 0.05

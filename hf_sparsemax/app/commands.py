@@ -192,8 +192,9 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
                                "loss": describe(variant.loss, variant.loss_options),
                                "seed": recipe.training_args(variant).get("seed")}
-    if variant.alpha_learning_rate is not None:
-        results["alpha_learning_rate"] = variant.alpha_learning_rate
+    for key in ("alpha_learning_rate", "scale_learning_rate"):
+        if getattr(variant, key) is not None:
+            results[key] = getattr(variant, key)
     results.update(fitted)
     for key in ("alpha_schedule", "distill"):
         if getattr(variant, key) is not None:
@@ -213,6 +214,7 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
         results["heldout_attention_zero_share"] = measure(trainer.model, eval_set, recipe.eval.curve_blocks,
                                                           recipe.eval.batch_size)["attention_zero_share"]
     results.update(runner.learned_alphas(trainer.model, start_alphas))
+    results.update(runner.learned_length_scale(trainer.model))
     attention = None
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels, trainer.model)
@@ -261,8 +263,8 @@ def changes(recipe: Recipe, variant: Variant) -> str:
             ("loss", variant.loss, variant.loss_options, recipe.loss, recipe.loss_options)):
         if (name, options) != (base, base_options):
             parts.append(f"{what} -> {describe(name, options)}")
-    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "calibrate", "alpha_schedule",
-                                                            "distill") if getattr(variant, key) is not None]
+    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "scale_learning_rate", "calibrate",
+                                                            "alpha_schedule", "distill") if getattr(variant, key) is not None]
     parts += [f"training.{key}={value}" for key, value in variant.training.items()
               if recipe.training.get(key) != value]
     return ", ".join(parts) or (f"the recipe's own settings ({describe(recipe.attn, recipe.attn_options)} "

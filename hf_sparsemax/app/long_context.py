@@ -11,7 +11,9 @@ For a trained model, on held-out text and a synthetic retrieval task:
   5-digit pass key, then the question; the answer is decoded greedily from a ``DynamicCache`` (the prefill,
   then one step per answer token) and counts when every answer token is right. The tokenizer must give the
   answer's tokens unchanged after the question (SmolLM2: a space, then one token per digit); one that merges
-  them across the boundary is refused (``ValueError``), never scored on a different split.
+  them across the boundary is refused (``ValueError``), never scored on a different split. Every prompt begins
+  with the same tokens (the instruction, then the filler up to its needle), so the cells of one rotary setting
+  share one prefill of that prefix (:class:`SharedPrefix`), each cell feeding only the rest of its prompt.
 - ``attention_zero_share``: the share of the attention weights that are exactly 0 (every layer and head, the
   cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
   (:func:`hf_sparsemax.app.curves.measure`).
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -120,32 +123,58 @@ def held_out_documents(spec: LongSpec, data_spec, tokenizer) -> list[torch.Tenso
     return [torch.tensor(ids[i * spec.length:(i + 1) * spec.length]) for i in range(spec.documents)]
 
 
-def token_losses(model, ids: torch.Tensor, rope_factor: float | None = None) -> torch.Tensor:
-    """``[T - 1]`` float64: the cross-entropy of token ``p`` (from ``1``) given tokens ``0 .. p-1``."""
+def forward_document(model, ids: torch.Tensor, rope_factor: float | None = None,
+                     zeros_length: int = 0) -> tuple[torch.Tensor, float | None]:
+    """One forward pass over a document: ``(losses, zero share)``. ``losses [T - 1]`` float64: the cross-entropy
+    of token ``p`` (from ``1``) given tokens ``0 .. p-1``. With ``zeros_length``, the first that many tokens go
+    first with the attention weights returned (:func:`.curves.returning_weights`) and their exact zeros counted
+    (every layer and head, the cells the causal mask allows), the rest after them from their cache: the same
+    pass, no second prefill; else the zero share is None."""
+    from transformers import DynamicCache
+
+    from .curves import allowed_cells, returning_weights
+
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"a document must be a 1-d sequence of at least 2 tokens, got shape {tuple(ids.shape)}")
     inner = base_model(model)
     model.eval()
+    ids = ids.to(inner.device)
+    first = min(zeros_length, ids.numel())
+    zero_share, hidden = None, []
     with torch.no_grad(), extended_rope(model, rope_for(model, ids.numel(), rope_factor)):
-        hidden = inner.model(input_ids=ids[None].to(inner.device), use_cache=False).last_hidden_state[0]
+        cache = DynamicCache(config=inner.config) if first else None
+        if first:
+            with returning_weights(model):
+                out = inner.model(input_ids=ids[None, :first], past_key_values=cache, use_cache=True,
+                                  output_attentions=True)
+            allowed = allowed_cells(torch.ones(1, first, dtype=torch.long, device=ids.device), first)
+            zeros = sum(float((w[allowed.expand_as(w)] == 0).sum()) for w in out.attentions)
+            zero_share = zeros / (float(allowed.sum()) * sum(w.shape[1] for w in out.attentions))
+            hidden.append(out.last_hidden_state[0])
+            del out
+        if first < ids.numel():
+            hidden.append(inner.model(input_ids=ids[None, first:], past_key_values=cache,
+                                      use_cache=cache is not None).last_hidden_state[0])
+        hidden = torch.cat(hidden)
         head = inner.get_output_embeddings()
-        targets = ids[1:].to(hidden.device)
-        out = [F.cross_entropy(head(hidden[s:s + LOGIT_CHUNK]).float()[: targets.numel() - s],
-                               targets[s:s + LOGIT_CHUNK], reduction="none")
-               for s in range(0, targets.numel(), LOGIT_CHUNK)]
-    return torch.cat(out).double().cpu()
+        targets = ids[1:]
+        losses = [F.cross_entropy(head(hidden[s:s + LOGIT_CHUNK]).float()[: targets.numel() - s],
+                                  targets[s:s + LOGIT_CHUNK], reduction="none")
+                  for s in range(0, targets.numel(), LOGIT_CHUNK)]
+    return torch.cat(losses).double().cpu(), zero_share
 
 
-def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
-                            rope_factor: float | None = None) -> dict[str, float]:
-    """``{"lo-hi": mean cross-entropy of the tokens at positions [lo, hi)}`` over ``documents`` (module docstring)."""
-    if not documents:
-        raise ValueError("cross_entropy_by_length needs at least one document")
+def token_losses(model, ids: torch.Tensor, rope_factor: float | None = None) -> torch.Tensor:
+    """``[T - 1]`` float64: the cross-entropy of token ``p`` (from ``1``) given tokens ``0 .. p-1``."""
+    return forward_document(model, ids, rope_factor)[0]
+
+
+def bucket_means(losses: list[torch.Tensor], buckets=BUCKETS) -> dict[str, float]:
+    """``{"lo-hi": mean of the losses of the tokens at positions [lo, hi)}`` over documents' :func:`token_losses`."""
     sums: dict[str, list[float]] = {}
-    for ids in documents:
-        losses = token_losses(model, ids, rope_factor)  # losses[p - 1]: the token at position p
+    for loss in losses:  # loss[p - 1]: the token at position p
         for lo, hi in buckets:
-            part = losses[max(lo, 1) - 1:hi - 1]
+            part = loss[max(lo, 1) - 1:hi - 1]
             if part.numel():
                 total = sums.setdefault(f"{lo}-{hi}", [0.0, 0])
                 total[0] += float(part.sum())
@@ -153,10 +182,20 @@ def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKET
     return {name: s / n for name, (s, n) in sums.items()}
 
 
+def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
+                            rope_factor: float | None = None) -> dict[str, float]:
+    """``{"lo-hi": mean cross-entropy of the tokens at positions [lo, hi)}`` over ``documents`` (module docstring)."""
+    if not documents:
+        raise ValueError("cross_entropy_by_length needs at least one document")
+    return bucket_means([token_losses(model, ids, rope_factor) for ids in documents], buckets)
+
+
 # -- the passkey task
 
-def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int]]:
-    """``(prompt ids of exactly context tokens, answer ids)`` (module docstring), or a ``ValueError``."""
+def passkey_parts(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int], list[int]]:
+    """``(prefix, rest, answer ids)``: the prompt of exactly ``context`` tokens is ``prefix + rest``, where ``prefix``
+    (the instruction and the filler before the needle) is a prefix of the same token sequence for every context,
+    depth and key (what :func:`passkey` shares between its cells); or a ``ValueError`` (module docstring)."""
     def encode(text):
         return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -173,7 +212,13 @@ def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[lis
     filler = (unit * (room // len(unit) + 1))[:room]
     cut = round(depth * room / len(unit)) * len(unit)  # the sentence-group boundary nearest the depth
     cut = min(cut, room)
-    return intro + filler[:cut] + needle + filler[cut:] + question, answer
+    return intro + filler[:cut], needle + filler[cut:] + question, answer
+
+
+def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> tuple[list[int], list[int]]:
+    """``(prompt ids of exactly context tokens, answer ids)`` (module docstring), or a ``ValueError``."""
+    prefix, rest, answer = passkey_parts(tokenizer, context, depth, key)
+    return prefix + rest, answer
 
 
 @contextlib.contextmanager
@@ -197,90 +242,136 @@ def step(model, token: torch.Tensor, cache) -> torch.Tensor:
     return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
 
 
-def greedy(model, prompt: list[int], steps: int, timed: int = 0) -> tuple[list[int], dict[str, Any]]:
+@contextlib.contextmanager
+def counted(into: dict[str, int]):
+    """While the block runs: the int8 certificate's counts (:data:`keycodes.COUNTS`) it adds, summed into ``into``."""
+    from ..attention.blocked import keycodes
+
+    before = dict(keycodes.COUNTS)
+    try:
+        yield
+    finally:
+        for name, value in keycodes.COUNTS.items():
+            into[name] = into.get(name, 0) + value - before[name]
+
+
+def greedy(model, prompt: list[int], steps: int, timed: int = 0, cache=None,
+           counts: dict[str, int] | None = None) -> tuple[list[int], dict[str, Any]]:
     """``steps`` greedy tokens after ``prompt`` from a ``DynamicCache``; with ``timed``, that many more steps,
     each timed alternately with the same step of the same model, its attention switched to sdpa
-    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``."""
+    (:func:`sdpa_attention`), on a copy of the cache: ``(tokens, timings)``. ``cache``: one that holds the
+    prompt's first tokens already (its length says how many; those are not fed again). ``counts``: the
+    certificate's counts of the decoding steps (not of the prompt) are added to it (:func:`counted`)."""
     from transformers import DynamicCache
 
     inner = base_model(model)
-    cache = DynamicCache(config=inner.config)
-    out = model(input_ids=torch.tensor([prompt], device=inner.device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    cache = DynamicCache(config=inner.config) if cache is None else cache
+    fed = cache.get_seq_length()
+    if not 0 <= fed < len(prompt):
+        raise ValueError(f"the cache holds {fed} tokens of a prompt of {len(prompt)}: nothing left to feed")
+    out = model(input_ids=torch.tensor([prompt[fed:]], device=inner.device), past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [int(token)]
-    for _ in range(steps - 1):
-        token = step(model, token, cache)
-        tokens.append(int(token))
-    if not timed:
-        return tokens, {}
-    twin, twin_token = copy.deepcopy(cache), token
-    times: dict[str, list[float]] = {"model": [], "sdpa": []}
-    for round_ in range(timed):
-        for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
-            with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
-                start = time.perf_counter()
-                if name == "model":
-                    token = step(model, token, cache)
-                else:
-                    twin_token = step(model, twin_token, twin)
-                times[name].append(time.perf_counter() - start)
+    with counted(counts if counts is not None else {}):
+        for _ in range(steps - 1):
+            token = step(model, token, cache)
+            tokens.append(int(token))
+        if not timed:
+            return tokens, {}
+        twin, twin_token = copy.deepcopy(cache), token
+        times: dict[str, list[float]] = {"model": [], "sdpa": []}
+        for round_ in range(timed):
+            for name in ("model", "sdpa") if round_ % 2 == 0 else ("sdpa", "model"):
+                with sdpa_attention(model) if name == "sdpa" else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    if name == "model":
+                        token = step(model, token, cache)
+                    else:
+                        twin_token = step(model, twin_token, twin)
+                    times[name].append(time.perf_counter() - start)
     model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
     return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
                     "steps": timed, "context": len(prompt)}
 
 
-def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
-    """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring)."""
-    from ..attention.blocked import keycodes
+class SharedPrefix:
+    """One growing ``DynamicCache`` of the passkey prompts' common prefix (:func:`passkey_parts`): the cells of
+    one rotary setting, taken by increasing prefix, each start from a copy of it grown to their own prefix. The
+    keys and values of a position depend on the tokens up to it only, so the copy holds what the cell's own
+    prefill would compute: the whole prompt is the model's, fed in two parts instead of one."""
 
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.ids = model, []
+        self.cache = DynamicCache(config=base_model(model).config)
+
+    def grown_to(self, prefix: list[int]):
+        """A copy of the cache holding ``prefix`` (a longer prefix than any before; the same sequence)."""
+        if prefix[:len(self.ids)] != self.ids or len(prefix) < len(self.ids):
+            raise ValueError("passkey prefixes must be taken in increasing order, each extending the last")
+        if len(prefix) > len(self.ids):
+            device = base_model(self.model).device
+            self.model(input_ids=torch.tensor([prefix[len(self.ids):]], device=device), past_key_values=self.cache,
+                       use_cache=True, logits_to_keep=1)
+            self.ids = list(prefix)
+        return copy.deepcopy(self.cache)
+
+
+def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
+    """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring). The cells
+    (context, depth, trial) of one rotary setting share the prefill of their common prefix (:class:`SharedPrefix`)."""
     model.eval()
-    for context in spec.contexts:  # every context checked before any is run
-        rope_for(model, context, spec.rope_factor)
+    ropes = {context: rope_for(model, context, spec.rope_factor) for context in spec.contexts}  # all checked first
     rng = random.Random(spec.seed)
-    accuracy: dict[str, dict[str, float]] = {}
-    never: dict[str, float | None] = {}
+    cells = []  # (rope, prefix, rest, answer, context, depth): the keys drawn in the order of the loops
+    for context in spec.contexts:
+        for depth in spec.depths:
+            for _ in range(spec.trials):
+                prefix, rest, answer = passkey_parts(tokenizer, context, depth, rng.randrange(10000, 100000))
+                cells.append((ropes[context], prefix, rest, answer, context, depth))
+    right: dict[tuple[int, float], int] = {}
+    counts: dict[int, dict[str, int]] = {context: {} for context in spec.contexts}
     decode: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     with torch.no_grad():
-        for context in spec.contexts:
+        for rope in dict.fromkeys(ropes.values()):
             began = time.perf_counter()
-            keycodes.reset_counts()
-            row = accuracy.setdefault(str(context), {})
-            with extended_rope(model, rope_for(model, context, spec.rope_factor)):
-                for depth in spec.depths:
-                    right = 0
-                    for trial in range(spec.trials):
-                        key = rng.randrange(10000, 100000)
-                        prompt, answer = passkey_prompt(tokenizer, context, depth, key)
-                        timed = spec.decode_steps if context == spec.decode_context and not decode else 0
-                        tokens, timing = greedy(model, prompt, len(answer), timed)
-                        decode.update(timing)
-                        right += tokens == answer
-                    row[f"{depth:g}"] = right / spec.trials
-            never[str(context)] = keycodes.certified_share() if keycodes.COUNTS["calls"] else None
-            seconds[str(context)] = round(time.perf_counter() - began, 1)
+            group = sorted((c for c in cells if c[0] == rope), key=lambda c: len(c[1]))
+            with extended_rope(model, rope):
+                shared = SharedPrefix(model)
+                for _, prefix, rest, answer, context, depth in group:
+                    timed = spec.decode_steps if context == spec.decode_context and not decode else 0
+                    tokens, timing = greedy(model, prefix + rest, len(answer), timed, shared.grown_to(prefix),
+                                            counts[context])
+                    decode.update(timing)
+                    right[context, depth] = right.get((context, depth), 0) + (tokens == answer)
+            seconds["rope x%g" % rope if rope else "positions"] = round(time.perf_counter() - began, 1)
+    accuracy = {str(c): {f"{d:g}": right[c, d] / spec.trials for d in spec.depths} for c in spec.contexts}
+    never = {str(c): counts[c]["certified"] / counts[c]["keys"] if counts[c].get("calls") else None
+             for c in spec.contexts}
     return {"passkey_accuracy": accuracy, "keys_never_read_by_context": never,
             "keys_never_read": never.get(str(spec.decode_context)), "decode": decode, "passkey_seconds": seconds}
 
 
-def zero_share(model, document: torch.Tensor, length: int) -> float:
-    """Exact attention zeros, every layer and head, on the first ``length`` tokens of ``document``."""
-    from .curves import measure
-
-    ids = document[:length].long()
-    item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    return measure(model, [item], 1, 1)["attention_zero_share"]
-
-
 def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
-    """Every measurement of the module docstring, as ``results.json`` keys."""
-    start = time.perf_counter()
-    out = {"cross_entropy_by_length": cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)}
+    """Every measurement of the module docstring, as ``results.json`` keys; ``long_context`` adds the spec and the
+    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included;
+    ``passkey_seconds`` per rotary setting), the process's CPU seconds (every thread) and the load at the end."""
+    if not documents:
+        raise ValueError("the evaluation at length needs at least one document")
+    start, cpu = time.perf_counter(), time.process_time()
+    losses, zero_share = [], None
+    for index, ids in enumerate(documents):  # the zeros counted on the first document's first tokens, same pass
+        loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
+        losses.append(loss)
+        zero_share = zeros if index == 0 else zero_share
+    out = {"cross_entropy_by_length": bucket_means(losses), "attention_zero_share": zero_share}
     ce_seconds = time.perf_counter() - start
     out.update(passkey(model, tokenizer, spec))
-    out["attention_zero_share"] = zero_share(model, documents[0], spec.zeros_length)
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
                            "seconds": round(time.perf_counter() - start, 1), "ce_seconds": round(ce_seconds, 1),
+                           "cpu_seconds": round(time.process_time() - cpu, 1), "load": round(os.getloadavg()[0], 2),
                            "passkey_seconds": out.pop("passkey_seconds")}
     return out

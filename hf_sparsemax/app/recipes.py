@@ -237,7 +237,10 @@ class Variant:
     ``alpha_learning_rate`` (with ``attn_options.learn_alpha``): the learning rate of the learned alphas, in an
     optimizer group of their own without weight decay, as "Adaptively Sparse Transformers" trains them; at a
     fine-tuning rate an alpha near 1 barely moves (``d alpha / d a = sigmoid'(a)`` is 0.05 at alpha 1.05).
-    ``null``: the training learning rate.
+    ``null``: the training learning rate. ``scale_learning_rate`` (with ``attn_options.length_scale`` or
+    ``learn_temperature``): the same for the learned query scales (:func:`hf_sparsemax.query_scale_parameters`:
+    ASEntmax's length scale ``delta, beta, gamma``, learned temperatures); at a LoRA rate the length scale barely
+    moves in a short conversion (``recipes/convert_long.yaml``).
 
     Converting a softmax model (``recipes/convert.yaml``): ``alpha_schedule`` (``{share, start}``, or ``{}``
     for the defaults): :class:`hf_sparsemax.AlphaScheduleCallback`, alpha from ``start`` to the attention's
@@ -254,25 +257,30 @@ class Variant:
     loss_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     training: dict[str, Any] = dataclasses.field(default_factory=dict)
     alpha_learning_rate: float | None = None
+    scale_learning_rate: float | None = None
     alpha_schedule: dict[str, Any] | None = None
     distill: dict[str, Any] | None = None
     calibrate: int | None = None
 
     def __post_init__(self) -> None:
         self.check_conversion()
-        rate = self.alpha_learning_rate
-        if rate is None:
-            return
-        try:
-            rate = float(rate) if not isinstance(rate, bool) else None  # YAML reads 5e-2 (no dot) as a string
-        except (TypeError, ValueError):
-            rate = None
-        if rate is None or not math.isfinite(rate) or rate <= 0:
-            raise ValueError(f"alpha_learning_rate must be a number > 0 or null, got {self.alpha_learning_rate!r}")
-        if not (self.attn_options or {}).get("learn_alpha"):
-            raise ValueError("alpha_learning_rate is the learning rate of learned alphas: set attn_options.learn_alpha "
-                             "to true, or drop it")
-        self.alpha_learning_rate = rate
+        options = self.attn_options or {}
+        for key, learns, what in (("alpha_learning_rate", options.get("learn_alpha"),
+                                   "of learned alphas: set attn_options.learn_alpha"),
+                                  ("scale_learning_rate", options.get("length_scale") or options.get("learn_temperature"),
+                                   "of learned query scales: set attn_options.length_scale or learn_temperature")):
+            rate = getattr(self, key)
+            if rate is None:
+                continue
+            try:
+                rate = float(rate) if not isinstance(rate, bool) else None  # YAML reads 5e-2 (no dot) as a string
+            except (TypeError, ValueError):
+                rate = None
+            if rate is None or not math.isfinite(rate) or rate <= 0:
+                raise ValueError(f"{key} must be a number > 0 or null, got {getattr(self, key)!r}")
+            if not learns:
+                raise ValueError(f"{key} is the learning rate {what} to true, or drop it")
+            setattr(self, key, rate)
 
     def check_conversion(self) -> None:
         """``alpha_schedule`` / ``distill``: null or a mapping of the callback's / term's own arguments."""
@@ -336,7 +344,7 @@ class Recipe:
         self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, "
-                              "training, alpha_learning_rate, alpha_schedule, distill, calibrate}")
+                              "training, alpha_learning_rate, scale_learning_rate, alpha_schedule, distill, calibrate}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
             if variant.distill is not None and self.lora is None:
                 raise RecipeError(f"variants.{variant.name}.distill: self-distillation's teacher is the base model "

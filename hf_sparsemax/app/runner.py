@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..metrics import sparse_text as metrics
+from ..attention.query_scale import LENGTH_SCALE_ATTR, query_scale_parameters
 from ..losses.names import loss_mapping
 from ..patch import base_model, compute_loss_func, patch_model, swaps_loss
 from .assets import gguf_cache
@@ -259,8 +260,10 @@ def make_trainer(recipe: Recipe, variant: Variant, model, tokenizer, train_set, 
                                                       epsilon=recipe.eval.epsilon)
         collator = default_data_collator
     args.per_device_eval_batch_size = recipe.eval.batch_size
-    if variant.alpha_learning_rate is not None:
-        Trainer = alpha_rate_trainer(Trainer, variant.alpha_learning_rate)
+    groups = {name: rate for name, rate in (("alpha", variant.alpha_learning_rate),
+                                            ("query_scale", variant.scale_learning_rate)) if rate is not None}
+    if groups:
+        Trainer = own_rate_trainer(Trainer, groups)
     callbacks, curve = conversion_callbacks(recipe, variant, eval_set if train_set is not None else None)
     if variant.distill is not None:
         from ..conversion import SelfDistillation, distillation_trainer
@@ -328,28 +331,39 @@ def conversion_callbacks(recipe: Recipe, variant: Variant, eval_set) -> tuple[li
     return callbacks, curve
 
 
-def alpha_rate_trainer(trainer_class, rate: float):
-    """``trainer_class`` whose optimizer trains the learned alphas in a group of their own: learning rate
-    ``rate``, no weight decay (decay would pull each ``a`` to 0, that is alpha to 1.5); the other groups as
-    Trainer made them. Built by Trainer's own ``create_optimizer``, so a resumed run gets the same groups."""
+OWN_RATE_PARAMETERS = {  # parameter groups a variant can give a learning rate of their own, and what learns them
+    "alpha": (lambda model: trainable_alphas(model), "alpha_learning_rate", "the model learns no alpha"),
+    "query_scale": (lambda model: query_scale_parameters(model), "scale_learning_rate",
+                    "the model learns no query scale (attn_options.length_scale or learn_temperature)"),
+}
 
-    class AlphaRateTrainer(trainer_class):
+
+def own_rate_trainer(trainer_class, rates: dict[str, float]):
+    """``trainer_class`` whose optimizer trains each group of :data:`OWN_RATE_PARAMETERS` named in ``rates`` (the
+    learned alphas; the learned query scales: temperatures, ASEntmax's length scale) in a group of its own:
+    learning rate ``rates[name]``, no weight decay (decay would pull each alpha's ``a`` to 0, that is alpha to
+    1.5, and ``log T`` or the length scale's ``delta`` to 0); the other groups as Trainer made them. Built by
+    Trainer's own ``create_optimizer``, so a resumed run gets the same groups."""
+
+    class OwnRateTrainer(trainer_class):
         def create_optimizer(self, model=None):
             optimizer = super().create_optimizer(model)
-            if any(group.get("hf_sparsemax_alphas") for group in optimizer.param_groups):
+            if any(group.get("hf_sparsemax_group") for group in optimizer.param_groups):
                 return optimizer  # grouped already (Trainer calls this again after a resume)
-            alphas = [p for _, p in trainable_alphas(self.model if model is None else model)]
-            if not alphas:
-                raise RecipeError("alpha_learning_rate is set but the model learns no alpha")
-            ids = {id(p) for p in alphas}
-            for group in optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) not in ids]
-            optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
-            optimizer.add_param_group({"params": alphas, "lr": rate, "weight_decay": 0.0,
-                                       "hf_sparsemax_alphas": True})
+            for name, rate in rates.items():
+                find, key, none = OWN_RATE_PARAMETERS[name]
+                params = [p for _, p in find(self.model if model is None else model)]
+                if not params:
+                    raise RecipeError(f"{key} is set but {none}")
+                ids = {id(p) for p in params}
+                for group in optimizer.param_groups:
+                    group["params"] = [p for p in group["params"] if id(p) not in ids]
+                optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
+                optimizer.add_param_group({"params": params, "lr": rate, "weight_decay": 0.0,
+                                           "hf_sparsemax_group": name})
             return optimizer
 
-    return AlphaRateTrainer
+    return OwnRateTrainer
 
 
 def last_checkpoint(work_dir: str) -> str | None:
@@ -447,6 +461,19 @@ def learned_alphas(model, start: list[list[float]] | None = None) -> dict[str, A
     alpha = np.concatenate([np.asarray(layer) for layer in end])
     return {"learned_alpha_mean": float(alpha.mean()), "learned_alpha_min": float(alpha.min()),
             "learned_alpha_max": float(alpha.max()), "learned_alpha_start": start, "learned_alpha_end": end}
+
+
+def learned_length_scale(model) -> dict[str, Any]:
+    """``learned_length_scale``: ``{delta, beta, gamma: {min, mean, max}}`` over every layer and head of ASEntmax's
+    length scale (started at 1, 0, 1); empty when the model has none."""
+    values: dict[str, list[torch.Tensor]] = {}
+    for name, p in query_scale_parameters(model):
+        if LENGTH_SCALE_ATTR in name:
+            values.setdefault(name.rsplit(".", 1)[-1], []).append(p.detach().float().flatten())
+    if not values:
+        return {}
+    return {"learned_length_scale": {key: {"min": float(torch.cat(v).min()), "mean": float(torch.cat(v).mean()),
+                                           "max": float(torch.cat(v).max())} for key, v in values.items()}}
 
 
 def save_variant(folder: str, recipe: Recipe, variant: Variant, labels: list[str] | None, model=None) -> None:
