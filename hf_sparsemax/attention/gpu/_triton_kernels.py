@@ -383,6 +383,26 @@ def attention_forward(
 
 
 @device_function
+def _program_rows(pid_m, pid_bh, H, G, n_q, BLOCK_M: tl.constexpr):
+    """``(b, h, hk, offs_m, row)`` of a program over one block of query rows: its batch, query head, kv head, row
+    indices and which of them exist."""
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b, h, h // G, offs_m, offs_m < n_q
+
+
+@device_function
+def _key_span(pid_m, pid_bh, n_kv, n_mblocks, n_nblocks, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(hi, tiles)`` of a backward program over one block of query rows: the keys it may see (``[0, hi)``) and
+    the offset of its row of live-tile bits in ``LIVE``."""
+    hi = n_kv
+    if CAUSAL:
+        hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
+    return hi, (pid_bh * n_mblocks + pid_m) * n_nblocks
+
+
+@device_function
 def _query_rows(Q, DO, T, b, h, bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd):
     """The backward's ``(q, dO, t)`` of one block of query rows of head ``h`` (``bh`` its row of ``T``): rows past
     ``n_q`` read as zeros, their ``t`` as ``+inf`` (no weight)."""
@@ -423,23 +443,16 @@ def attention_backward_rows(
     ``beta^2 (<g, p> - DELTA) - beta (<g, p log p> - DELTA <p, log p>)``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
+    b, h, hk, offs_m, row = _program_rows(pid_m, pid_bh, H, G, n_q, BLOCK_M)
     alpha, am1, beta = _head_alpha(ALPHA, h)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
-    row = offs_m < n_q
     q, do, t = _query_rows(Q, DO, T, b, h, pid_bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh,
                            sdm, sdd)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    hi = n_kv
-    if CAUSAL:
-        hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
-    tiles = (pid_bh * n_mblocks + pid_m) * n_nblocks
+    hi, tiles = _key_span(pid_m, pid_bh, n_kv, n_mblocks, n_nblocks, BLOCK_M, CAUSAL)
     s_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     sg_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     gp_sum = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -479,24 +492,17 @@ def attention_backward_q(
     """``dQ = dS K * scaling`` over the live tiles, ``dS = s (g - DELTA)`` (``DQ`` laid out as ``Q``, contiguous)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
+    b, h, hk, offs_m, row = _program_rows(pid_m, pid_bh, H, G, n_q, BLOCK_M)
     alpha, am1, beta = _head_alpha(ALPHA, h)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     offs_dv = tl.arange(0, HEAD_DV)
     offs_b = tl.arange(0, BLOCK_N)
-    row = offs_m < n_q
     q, do, t = _query_rows(Q, DO, T, b, h, pid_bh, offs_m, offs_d, offs_dv, row, n_q, sqb, sqh, sqm, sqd, sdb, sdh,
                            sdm, sdd)
     delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=row, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    hi = n_kv
-    if CAUSAL:
-        hi = tl.minimum(n_kv, (pid_m + 1) * BLOCK_M)
-    tiles = (pid_bh * n_mblocks + pid_m) * n_nblocks
+    hi, tiles = _key_span(pid_m, pid_bh, n_kv, n_mblocks, n_nblocks, BLOCK_M, CAUSAL)
     dq = tl.full([BLOCK_M, HEAD_D], 0.0, tl.float32)
     flag = tl.load(LIVE + tiles, mask=hi > 0, other=0)
     for start_n in range(0, hi, BLOCK_N):  # the next tile's bit read ahead: its latency overlaps this tile's work
