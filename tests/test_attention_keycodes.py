@@ -350,3 +350,31 @@ def test_every_build_of_the_integer_products_gives_the_full_step(flags, tmp_path
             certified = fused.decode(problem, alpha, codes=codes, length=300, certify=True)
             assert min(codes.certified.tolist()) > 150  # most keys never read
             assert torch.equal(certified, fused.decode(problem, alpha))
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.3])
+def test_the_keys_certified_do_not_depend_on_their_order(alpha):
+    """The kernel certifies keys in one pass against the cut of the row's running maximum (at most the final cut)
+    and tests the survivors again against the final cut: the keys it reads are those the final cut cannot exclude,
+    whatever their order. The same keys ascending by score (each block raises the maximum: every key survives the
+    running cut and is dropped by the final one), descending and shuffled: each equal to its full step bit for
+    bit, and the same number certified per kv head. Head size 18 (nine channel pairs: the products' odd tail), one
+    to four query rows a kv head (each row count of the AVX-512 products)."""
+    from hf_sparsemax.attention.blocked.blocks import grouped
+
+    g = torch.Generator().manual_seed(5)
+    for groups in (1, 2, 3, 4):
+        key, value = torch.randn(1, 2, 400, 18, generator=g), torch.randn(1, 2, 400, 18, generator=g)
+        query = torch.randn(1, 2 * groups, 1, 18, generator=g) * 3
+        by_score = (key[0, 0] @ query[0, 0, 0]).argsort()  # by kv head 0's first query row
+        counts = []
+        for order in (by_score, by_score.flip(0), torch.randperm(400, generator=g)):
+            k, v = key[:, :, order].contiguous(), value[:, :, order].contiguous()
+            problem = grouped(query, k, v, None, False, alpha, 0.5, None)
+            codes = keycodes.KeyCodes(k)
+            codes.reserve(400, 400)
+            certified = fused.decode(problem, alpha, codes=codes, length=400, certify=True)
+            assert torch.equal(certified, fused.decode(problem, alpha)), (groups, alpha)
+            counts.append(codes.certified.tolist())
+        assert counts[0] == counts[1] == counts[2], (groups, alpha, counts)
+        assert min(counts[0]) > 200, counts  # most keys never read

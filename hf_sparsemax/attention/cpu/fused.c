@@ -403,27 +403,48 @@ static inline int64_t code_at(int64_t slot, int64_t d, int64_t dim) {
 /* out[i * CODE_BLOCK + l] = sum_d e_id c_{l, d}, exact in int32, for the `rows` query rows e (rows x dim int16)
    against the CODE_BLOCK keys of a block (dim even): AVX-512 (with VNNI's vpdpwssd where the build machine has
    it), AVX2, or plain C, chosen at build time (-march=native). The rows go four at a time, so that each channel
-   pair of the block is loaded and widened once for four rows (a missing fourth row repeats the last one and is
-   not stored): four independent sums hide the multiply-add's latency. */
+   pair of the block is loaded and widened once for up to four rows. AVX-512: each row's sum is two independent
+   sums (even and odd channel pairs, added at the end: the same integer), so that eight chains hide the
+   multiply-add's latency, and a group of fewer than four rows computes only its own (products_avx512's `count`, a
+   constant in each of the four copies the switch makes). */
 #define PRODUCT_ROWS 4
+#if defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void products_avx512(const int16_t *const *r, int64_t count,
+                                                                  const int8_t *block, int64_t dim, int32_t *out) {
+    __m512i even[PRODUCT_ROWS], odd[PRODUCT_ROWS];
+    for (int64_t i = 0; i < count; i++) even[i] = odd[i] = _mm512_setzero_si512();
+    int64_t pairs = dim / 2, d2 = 0;
+    for (; d2 + 1 < pairs; d2 += 2) {
+        __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+        __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * (d2 + 1))));
+        for (int64_t i = 0; i < count; i++) { /* channels 2 d2 .. 2 d2 + 3 of row i, broadcast from memory */
+            even[i] = MULTIPLY_ADD(even[i], k0, _mm512_broadcastd_epi32(_mm_loadu_si32(r[i] + 2 * d2)));
+            odd[i] = MULTIPLY_ADD(odd[i], k1, _mm512_broadcastd_epi32(_mm_loadu_si32(r[i] + 2 * d2 + 2)));
+        }
+    }
+    if (d2 < pairs) { /* an odd number of channel pairs: the last one */
+        __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
+        for (int64_t i = 0; i < count; i++)
+            even[i] = MULTIPLY_ADD(even[i], k0, _mm512_broadcastd_epi32(_mm_loadu_si32(r[i] + 2 * d2)));
+    }
+    for (int64_t i = 0; i < count; i++)
+        _mm512_storeu_si512((void *)(out + i * CODE_BLOCK), _mm512_add_epi32(even[i], odd[i]));
+}
+#endif
+
 static void block_products(const int16_t *e, int64_t rows, const int8_t *block, int64_t dim, int32_t *out) {
     for (int64_t first = 0; first < rows; first += PRODUCT_ROWS) {
         const int16_t *r[PRODUCT_ROWS];
         for (int64_t i = 0; i < PRODUCT_ROWS; i++) r[i] = e + (first + i < rows ? first + i : rows - 1) * dim;
         int64_t stored = rows - first < PRODUCT_ROWS ? rows - first : PRODUCT_ROWS;
 #if defined(__AVX512BW__)
-        __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        for (int64_t d2 = 0; d2 < dim / 2; d2++) {
-            __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 * CODE_BLOCK * d2)));
-            int32_t pair[PRODUCT_ROWS];
-            for (int64_t i = 0; i < PRODUCT_ROWS; i++) memcpy(pair + i, r[i] + 2 * d2, sizeof(int32_t));
-            acc0 = MULTIPLY_ADD(acc0, k, _mm512_set1_epi32(pair[0]));
-            acc1 = MULTIPLY_ADD(acc1, k, _mm512_set1_epi32(pair[1]));
-            acc2 = MULTIPLY_ADD(acc2, k, _mm512_set1_epi32(pair[2]));
-            acc3 = MULTIPLY_ADD(acc3, k, _mm512_set1_epi32(pair[3]));
+        int32_t *at = out + first * CODE_BLOCK;
+        switch (stored) { /* the group's rows, a constant in each case */
+        case 1: products_avx512(r, 1, block, dim, at); break;
+        case 2: products_avx512(r, 2, block, dim, at); break;
+        case 3: products_avx512(r, 3, block, dim, at); break;
+        default: products_avx512(r, 4, block, dim, at); break;
         }
-        __m512i sums[PRODUCT_ROWS] = {acc0, acc1, acc2, acc3};
-        for (int64_t i = 0; i < stored; i++) _mm512_storeu_si512((void *)(out + (first + i) * CODE_BLOCK), sums[i]);
 #elif defined(__AVX2__)
         __m256i low[PRODUCT_ROWS], high[PRODUCT_ROWS];
         for (int64_t i = 0; i < PRODUCT_ROWS; i++) low[i] = high[i] = _mm256_setzero_si256();
@@ -566,22 +587,39 @@ static const int8_t *code_block(const hf_sparsemax_params *p, int64_t b, int64_t
     return p->codes + base * p->dim;
 }
 
+/* The cut of a query row whose largest t - E so far is `top` (am1 = alpha - 1): a key with t + E at or below it is
+   no candidate of the row (the certificate, above). top - (candidate_margin + CUT_SLACK) / am1 in double, then
+   the largest float32 at or below it (-inf for am1 <= 0): monotone in top, so the cut of a running maximum never
+   exceeds the cut of the final one. */
+static float row_cut(const hf_sparsemax_params *p, double top, double am1) {
+    double cut = am1 > 0.0 ? top - (p->candidate_margin + CUT_SLACK) / am1 : -INFINITY;
+    float rounded = (float)cut;
+    return (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded;
+}
+
 /* The certified scores of task (b, h): the keys not certified, ascending, in kept[0..*n), and their exact scores
    (as score_keys writes them) in compact[i * *n + k] for every query row i; the keys certified are never read.
    Returns the number of keys with codes (code_block) certified, or -1 where a query row is not finite or memory
-   could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch. The bounds are
-   computed in float32 (a few roundings of u each, far inside the slack of E above), the lanes of a block of
-   codes branch-free so that the compiler vectorises them. */
+   could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch.
+
+   One pass over the codes: block by block, each row's bounds t - E and U = t + E, its running maximum M' of
+   t - E and the cut of M' (row_cut); a key whose U is at or below its row's cut for every row is certified there
+   and then (M' <= M, so the cut of M' is at most the final cut: the key is certified by the final cut too). The
+   few others (survivors, with their U) are tested again against the final cuts once the pass is over: the keys
+   kept are exactly those some row's final cut does not place above U, as a second pass over every key would
+   find. The bounds are computed in float32 (a few roundings of u each, far inside the slack of E above), the
+   lanes of a block of codes branch-free (lanes past the keys masked off) so that the compiler vectorises them. */
 static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t h, const float *q,
                                 const float *const *mask_rows, float *row, float *scores, int64_t *kept,
                                 float *compact, int64_t *n) {
     int64_t rows = p->rows, keys = p->keys, dim = p->dim;
     int16_t *e = malloc(sizeof(int16_t) * rows * dim);
-    float *spec = malloc(sizeof(float) * rows * 4); /* per row: scaling s_q, A_q, the cut on t + E, R's factor */
-    float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* per row and lane: the largest t - E */
+    float *spec = malloc(sizeof(float) * rows * 5); /* per row: scaling s_q, A_q, its cut, R's factor, M' */
+    float *ups = malloc(sizeof(float) * rows * CODE_BLOCK); /* a block's U, row by row */
     int32_t *products = malloc(sizeof(int32_t) * rows * CODE_BLOCK); /* a block's integer products, row by row */
-    if (!e || !spec || !lows || !products) {
-        free(e), free(spec), free(lows), free(products);
+    unsigned char *coded_key = malloc((size_t)keys); /* per survivor: whether it has a code */
+    if (!e || !spec || !ups || !products || !coded_key) {
+        free(e), free(spec), free(ups), free(products), free(coded_key);
         return -1;
     }
     double rho, kappa, u = UNIT_ROUNDOFF;
@@ -592,7 +630,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
         float scale = top / 32767.0f;
         if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
-            free(e), free(spec), free(lows), free(products);
+            free(e), free(spec), free(ups), free(products), free(coded_key);
             return -1;
         }
         double norm = 0.0, residual = 0.0;
@@ -605,70 +643,82 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
             residual += r * r;
         }
         norm = sqrt(norm) * (1.0 + NORM_SLACK), residual = sqrt(residual) * (1.0 + NORM_SLACK);
-        spec[4 * i] = (float)((double)p->scaling * scale);
-        spec[4 * i + 1] = (float)(fabs((double)p->scaling) *
+        spec[5 * i] = (float)((double)p->scaling * scale);
+        spec[5 * i + 1] = (float)(fabs((double)p->scaling) *
                                   (norm * rho + residual * kappa + 2.0 * (double)(dim + 4) * u * norm * (rho + kappa)));
-        /* R's factor (overflow, above): R = s_k spec[4 i + 3] + |m| */
-        spec[4 * i + 3] = (float)(2.0 * fmax(1.0, fabs((double)p->scaling)) * norm * (rho + kappa));
-        for (int64_t l = 0; l < CODE_BLOCK; l++) lows[i * CODE_BLOCK + l] = -INFINITY;
+        spec[5 * i + 2] = -INFINITY; /* the cut of M' = -inf: nothing certified yet */
+        /* R's factor (overflow, above): R = s_k spec[5 i + 3] + |m| */
+        spec[5 * i + 3] = (float)(2.0 * fmax(1.0, fabs((double)p->scaling)) * norm * (rho + kappa));
+        spec[5 * i + 4] = -INFINITY;
     }
     float level = p->mask ? p->masked : -INFINITY; /* masked at or below (no mask: none) */
     float error = (float)p->code_error * (1.0f + (float)BOUND_SLACK); /* code_error is 1 (0 only in a test: no bound) */
-    float scale_k[CODE_BLOCK], m[CODE_BLOCK];
-    /* pass 1: U = t + E for every key (-inf where masked; NaN where not coded), each row's M = max (t - E) */
+    float scale_k[CODE_BLOCK], m[CODE_BLOCK] = {0};
+    unsigned char keep[CODE_BLOCK];
+    int64_t certified = 0, found = 0;
     for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
         int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
         const int8_t *block = code_block(p, b, h, start, count, scale_k); /* NULL: no codes (not read) */
         if (block) block_products(e, rows, block, dim, products);
         else memset(products, 0, sizeof(int32_t) * rows * CODE_BLOCK);
-        for (int64_t i = 0; i < rows; i++) {
+        for (int64_t i = 0; i < rows; i++) { /* U of every lane (NaN scale: wild, U = +inf), each row's M' */
+            if (p->mask)
+                for (int64_t l = 0; l < CODE_BLOCK; l++) m[l] = l < count ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
             const int32_t *product = products + i * CODE_BLOCK;
-            for (int64_t l = 0; l < count; l++) m[l] = p->mask ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
-            float sc = spec[4 * i], bound = spec[4 * i + 1], reach = spec[4 * i + 3];
-            float *low = lows + i * CODE_BLOCK, *up = scores + i * keys + start;
-#pragma omp simd
-            for (int64_t l = 0; l < count; l++) {
+            float sc = spec[5 * i], bound = spec[5 * i + 1], reach = spec[5 * i + 3], best = -INFINITY;
+            float *up = ups + i * CODE_BLOCK;
+#pragma omp simd reduction(max : best)
+            for (int64_t l = 0; l < CODE_BLOCK; l++) {
                 float t = sc * scale_k[l] * (float)product[l] + m[l];
                 float err = (scale_k[l] * bound + (float)SUM_SLACK * (fabsf(t) + fabsf(m[l]))) * error;
-                float lo = t - err, hi = t + err, old = low[l];
+                float lo = t - err, hi = t + err;
                 int masked = m[l] <= level, wild = !(scale_k[l] * reach + fabsf(m[l]) < FLT_MAX); /* R (above) */
                 hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */
                 lo = masked || wild ? -INFINITY : lo;
                 up[l] = masked ? -INFINITY : wild ? INFINITY : hi; /* wild: read and scored exactly */
-                low[l] = lo > old ? lo : old;
+                best = lo > best ? lo : best;
+            }
+            if (best > spec[5 * i + 4]) {
+                double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
+                spec[5 * i + 4] = best;
+                spec[5 * i + 2] = row_cut(p, best, alpha - 1.0);
             }
         }
-    }
-    for (int64_t i = 0; i < rows; i++) {
-        double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
-        double am1 = alpha - 1.0, top = -INFINITY;
-        for (int64_t l = 0; l < CODE_BLOCK; l++) top = lows[i * CODE_BLOCK + l] > top ? lows[i * CODE_BLOCK + l] : top;
-        double cut = am1 > 0.0 ? top - (p->candidate_margin + CUT_SLACK) / am1 : -INFINITY;
-        float rounded = (float)cut;
-        spec[4 * i + 2] = (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded; /* rounded down */
-    }
-    /* pass 2: a key some row cannot certify is read and scored exactly (those few, compacted) */
-    int64_t certified = 0, found = 0;
-    unsigned char keep[CODE_BLOCK];
-    for (int64_t start = 0; start < keys; start += CODE_BLOCK) {
-        int64_t count = keys - start < CODE_BLOCK ? keys - start : CODE_BLOCK;
         memset(keep, 0, sizeof keep);
         for (int64_t i = 0; i < rows; i++) {
-            const float *up = scores + i * keys + start;
-            float cut = spec[4 * i + 2];
-            for (int64_t l = 0; l < count; l++) keep[l] |= !(up[l] <= cut);
+            const float *up = ups + i * CODE_BLOCK;
+            float cut = spec[5 * i + 2];
+            for (int64_t l = 0; l < CODE_BLOCK; l++) keep[l] |= !(up[l] <= cut);
         }
-        code_block(p, b, h, start, count, scale_k); /* which keys have codes (counted where not read) */
-        for (int64_t l = 0; l < count; l++) {
-            certified += !keep[l] && !isnan(scale_k[l]);
-            if (keep[l]) kept[found++] = start + l;
+        int64_t coded = 0;
+        for (int64_t l = 0; l < CODE_BLOCK; l++) {
+            keep[l] &= l < count;
+            coded += l < count && !isnan(scale_k[l]);
+        }
+        certified += coded;
+        uint64_t any[2];
+        memcpy(any, keep, sizeof any);
+        for (int64_t l = 0; (any[0] | any[1]) && l < count; l++) { /* survivors: kept with their U */
+            if (!keep[l]) continue;
+            for (int64_t i = 0; i < rows; i++) scores[i * keys + found] = ups[i * CODE_BLOCK + l];
+            coded_key[found] = !isnan(scale_k[l]);
+            certified -= coded_key[found];
+            kept[found++] = start + l;
         }
     }
+    int64_t held = 0; /* the survivors against the final cuts (ascending, compacted in place) */
+    for (int64_t k = 0; k < found; k++) {
+        int keep_key = 0;
+        for (int64_t i = 0; i < rows; i++) keep_key |= !(scores[i * keys + k] <= spec[5 * i + 2]);
+        if (keep_key) kept[held++] = kept[k];
+        else certified += coded_key[k];
+    }
+    found = held;
     for (int64_t k = 0; k < found; k++) score_keys(p, b, h, q, mask_rows, kept[k], kept[k] + 1, row, scores);
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < found; k++) compact[i * found + k] = scores[i * keys + kept[k]];
     *n = found;
-    free(e), free(spec), free(lows), free(products);
+    free(e), free(spec), free(ups), free(products), free(coded_key);
     return certified;
 }
 
