@@ -105,3 +105,54 @@ def test_a_memo_holds_its_objects_weakly_and_never_reuses_for_another():
     assert memo((a,), (3,)) == 9.0 and memo((torch.ones(3),), (3,)) == 9.0 and memo.computed == 3
     del a  # freed: an object made later at its address is not taken for it
     assert memo((torch.zeros(3),), (3,)) == 0.0 and memo.computed == 4
+
+
+def learned_llama():
+    import test_growing_cache
+
+    model = test_growing_cache.tiny_llama("sdpa")
+    hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True})
+    return model
+
+
+def learned_modules(model):
+    return [m for m in model.modules() if isinstance(m, interface.LearnedAlpha)]
+
+
+@needs_kernel
+def test_a_learned_alpha_is_held_per_layer_and_computed_again_when_its_values_change(monkeypatch):
+    """A learned alpha per head (one ``LearnedAlpha`` a layer): a decoding step takes each layer's alphas as
+    computed when ``pre_alpha`` last changed (``without_grad``), not its ~10 operations again. Greedy generate is
+    the same bit for bit as with the alphas computed at every call; each layer computed its alphas once for the
+    generation; a write no version counter sees (``pre_alpha.data.copy_``) gives the new alphas at the next step
+    (the output equals a model whose alphas were those from the start), and so does a new device or dtype."""
+    model = learned_llama()
+    with torch.no_grad():
+        for module in learned_modules(model):
+            module.pre_alpha.data.uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(4))
+    calls = []
+    forward = interface.LearnedAlpha.forward
+    monkeypatch.setattr(interface.LearnedAlpha, "forward", lambda self: calls.append(self) or forward(self))
+    got = generate(model, hs.GrowingCache())
+    assert len(calls) == len(learned_modules(model)) == 2  # once a layer, for the whole generation
+    with monkeypatch.context() as patched:
+        patched.setattr(interface.LearnedAlpha, "without_grad",
+                        lambda self, device: (self().to(device), interface.precise_in_float32(self())))
+        want = generate(model, hs.GrowingCache())
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+    layer = learned_modules(model)[0]
+    held, _ = layer.without_grad(torch.device("cpu"))
+    assert layer.without_grad(torch.device("cpu"))[0] is held  # unchanged values: the same tensor
+    version = layer.pre_alpha._version
+    layer.pre_alpha.data.copy_(torch.linspace(-2.0, 2.0, layer.pre_alpha.numel()))
+    assert layer.pre_alpha._version == version  # the write no version counter sees
+    fresh, precise = layer.without_grad(torch.device("cpu"))
+    assert fresh is not held and torch.equal(fresh, layer()) and precise == interface.precise_in_float32(layer())
+    twin = learned_llama()
+    twin.load_state_dict(model.state_dict())
+    changed = generate(model, hs.GrowingCache())  # alphas held from before the write would give other scores
+    assert all(torch.equal(a, b) for a, b in zip(changed.scores, generate(twin, hs.GrowingCache()).scores))
+    assert not all(torch.equal(a, b) for a, b in zip(changed.scores, got.scores))
+    layer.pre_alpha.data = layer.pre_alpha.data.double()  # another dtype: computed again, not compared across
+    assert torch.equal(layer.without_grad(torch.device("cpu"))[0], layer())

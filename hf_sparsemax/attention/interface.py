@@ -51,6 +51,7 @@ import importlib
 import math
 import os
 import typing
+import weakref
 
 import torch
 from torch import nn
@@ -194,6 +195,24 @@ class LearnedAlpha(nn.Module):
     def forward(self) -> torch.Tensor:
         """``[1, H, 1, 1]`` alphas, broadcastable to attention scores ``[B, H, q, kv]``."""
         return (1 + torch.sigmoid(self.pre_alpha.float())).view(1, -1, 1, 1)
+
+    def without_grad(self, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """``(forward() on device, precise_in_float32 of it)`` for a call that wants no gradient (a decoding step):
+        computed again only where ``pre_alpha`` holds other values than when they were computed (compared
+        exactly, so a write that no version counter sees, ``pre_alpha.data.copy_``, counts too) or another device
+        asks; otherwise the same tensors, so a decoding step's layers skip the ~10 operations of the sigmoid, the
+        device move and the range checks (each layer has its own alphas: one held value per module)."""
+        held = LEARNED_HELD.get(self)
+        pre_alpha = self.pre_alpha.detach()
+        if (held is None or held[1] != device or held[0].device != pre_alpha.device
+                or held[0].dtype != pre_alpha.dtype or not torch.equal(held[0], pre_alpha)):
+            alpha = self().to(device)
+            held = (pre_alpha.clone(), device, alpha, precise_in_float32(alpha))
+            LEARNED_HELD[self] = held
+        return held[2], held[3]
+
+
+LEARNED_HELD: "weakref.WeakKeyDictionary[LearnedAlpha, tuple]" = weakref.WeakKeyDictionary()  # without_grad's values
 
 
 def attention_probabilities(module: nn.Module, scores: torch.Tensor, mapping: str) -> torch.Tensor:
@@ -441,10 +460,15 @@ def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap
     if fixed is None:
         return None
     entry, values, fixed_alpha = fixed
-    alpha = learned().to(query.device) if learned is not None else None
+    precise = None
+    if learned is not None and not torch.is_grad_enabled():  # a decoding step: the layer's alphas held
+        alpha, precise = learned.without_grad(query.device)
+    else:
+        alpha = learned().to(query.device) if learned is not None else None
     if alpha is not None and alpha.shape != (1, query.shape[1], 1, 1):
         return None
-    if alpha is not None and query.dtype != torch.float64 and not precise_in_float32(alpha):
+    if alpha is not None and query.dtype != torch.float64 and not (
+            precise if precise is not None else precise_in_float32(alpha)):
         return None  # the mapping computes such alphas in float64: the materialised path does so
 
     def reference(query, key, value, mask, alpha):  # the differentiable path, for a double backward
