@@ -153,13 +153,21 @@ def test_a_mask_that_shows_an_unwritten_slot_keeps_every_slot():
     mask = torch.zeros(1, 1, 1, 16)
     mask[..., 10:] = masked
     cut = pages.filled_part(layer, keys, values, mask)
-    assert cut[0].shape[-2] == cut[1].shape[-2] == cut[2].shape[-1] == 10
+    assert cut[0].shape[-2] == cut[1].shape[-2] == 10 and cut[2] is None  # every filled slot seen: no mask left
     assert torch.equal(cut[0], key) and torch.equal(cut[1], value)
+    mask[..., 2] = masked  # a padded slot among the filled ones: the mask is kept, cut to them
+    cut = pages.filled_part(layer, keys, values, mask)
+    assert cut[0].shape[-2] == 10 and torch.equal(cut[2], mask[..., :10])
+    mask[..., 2] = 0.0
     mask[..., 13] = 0.0  # a row may see slot 13: nothing is cut
     assert pages.filled_part(layer, keys, values, mask)[0] is keys
     seen = torch.zeros(1, 1, 1, 16, dtype=torch.bool)
     seen[..., :10] = True
-    assert pages.filled_part(layer, keys, values, seen)[0].shape[-2] == 10
+    cut = pages.filled_part(layer, keys, values, seen)
+    assert cut[0].shape[-2] == 10 and cut[2] is None
+    seen[..., 4] = False
+    assert torch.equal(pages.filled_part(layer, keys, values, seen)[2], seen[..., :10])
+    seen[..., 4] = True
     seen[..., 15] = True
     assert pages.filled_part(layer, keys, values, seen)[0] is keys
     assert pages.filled_part(layer, keys, values, None)[0] is keys  # no mask: every slot is seen

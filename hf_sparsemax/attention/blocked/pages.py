@@ -219,24 +219,30 @@ def filled_part(layer, key: torch.Tensor, value: torch.Tensor, mask):
     """``(key, value, mask)`` of a decoding call without the cache slots not written yet, where ``mask`` (additive
     or boolean, over ``key``'s slots) masks every one of them for every query row: a static cache's step then costs
     its filled length, not its size. The slots cut weigh exactly 0 in every mapping, so the output is the one over
-    the filled keys alone (a ``DynamicCache``'s). Anything else (no layer, not this layer's keys, no mask, a slot
-    past the filled length the mask lets some row see) is returned as it is. The mask's analysis is made once a
-    step, for the first layer, and reused by the others (:mod:`.step_memo`)."""
+    the filled keys alone (a ``DynamicCache``'s). Where the mask then lets every row see every filled slot (no
+    padding: additive zeros, or all True), it is dropped (None): adding 0 to a score changes no score, so the step
+    is the same without it, and the kernel reads no mask per key. Anything else (no layer, not this layer's keys,
+    no mask, a slot past the filled length the mask lets some row see) is returned as it is. The mask's analysis
+    is made once a step, for the first layer, and reused by the others (:mod:`.step_memo`)."""
     if layer is None or mask is None or layer.keys is not key or mask.shape[-1] != key.shape[-2]:
         return key, value, mask
     length = filled(layer)
     if not 0 < length < key.shape[-2]:
         return key, value, mask
-    if not HIDES_TAIL((mask,), (mask._version, mask.shape, length)):
+    hides, sees_all = HIDES_TAIL((mask,), (mask._version, mask.shape, length))
+    if not hides:
         return key, value, mask
-    return key[:, :, :length], value[:, :, :length], mask[..., :length]
+    return key[:, :, :length], value[:, :, :length], None if sees_all else mask[..., :length]
 
 
-def hides_tail(mask, version: int, shape, length: int) -> bool:
-    """Whether the additive or boolean ``mask`` hides every slot from ``length`` on from every query row (its
-    ``version`` and ``shape``: what :data:`HIDES_TAIL` compares, the mask's in-place version counter and size)."""
-    rest = mask[..., length:]
-    return not bool(rest.any()) if rest.dtype == torch.bool else bool((rest <= masked_below(rest.dtype)).all())
+def hides_tail(mask, version: int, shape, length: int) -> tuple[bool, bool]:
+    """``(hides, sees_all)``: whether the additive or boolean ``mask`` hides every slot from ``length`` on from
+    every query row, and whether it lets every row see every slot before it (additive 0, or True, throughout)
+    (``version`` and ``shape``: what :data:`HIDES_TAIL` compares, the mask's in-place version counter and size)."""
+    rest, head = mask[..., length:], mask[..., :length]
+    if rest.dtype == torch.bool:
+        return not bool(rest.any()), bool(head.all())
+    return bool((rest <= masked_below(rest.dtype)).all()), bool((head == 0).all())
 
 
 HIDES_TAIL = Memo(hides_tail)  # once a step for all layers: the same mask object, version and filled length
