@@ -434,12 +434,20 @@ def weights_requested(kwargs: dict[str, typing.Any]) -> bool:
         return True
     if torch.compiler.is_compiling():
         return False
+    collector = output_collector()
+    collected = collector.get() if collector is not None else None
+    return bool(collected) and any(key.endswith("attentions") for key in collected)
+
+
+@functools.lru_cache(maxsize=1)
+def output_collector():
+    """transformers' output-capture context variable, imported once (every layer's call reads it), or None for a
+    transformers without output capture (it passes ``output_attentions`` on)."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output capture passes output_attentions on
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and any(key.endswith("attentions") for key in collected)
+    except ImportError:
+        return None
+    return _active_collector
 
 
 def threshold_path(module, query, key, value, mask, *, scaling, dropout, softcap, position_bias, sinks, mapping):

@@ -60,6 +60,7 @@ CERTIFICATE = {  # the int8 certificate's constants (fused.c, its proof): #defin
 }
 MIN_PARALLEL_WORK = 1 << 15  # scores of a call (keys x dims to code) from which the kernel runs on several threads
 MAX_CODED_DIM = 512  # head sizes whose int16 x int8 code products stay exact in int32 (fused.c)
+MASKED = masked_below(torch.float32)  # the kernel's scores are float32: a mask at or below this hides a key
 KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads (bfloat16 widened exactly)
 _failed: list[str] = []
 
@@ -182,7 +183,7 @@ def solver_params(**fields) -> Params:
     from the call's scores, :func:`kernel_threads`)."""
     work = fields.get("batch", 1) * fields.get("kv_heads", 1) * fields.get("rows", 1) * fields.get("keys", 1)
     return Params(tolerance=TOLERANCE, candidate_margin=CANDIDATE_MARGIN, max_iter=MAX_ITER, sort_below=SORT_BELOW,
-                  masked=masked_below(torch.float32), threads=kernel_threads(work), **fields)
+                  masked=MASKED, threads=kernel_threads(work), **fields)
 
 
 def new_output(*shape: int) -> torch.Tensor:
@@ -226,7 +227,7 @@ def decoding_params(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return None
     alphas = per_row[0]
     mask, strides = mask_strides(mask, (batch, kv_heads, groups, rows, keys), query.device)
-    out = new_output(batch, kv_heads, groups * rows, value.shape[-1])
+    out = query.new_empty(batch, kv_heads, groups * rows, value.shape[-1])  # float32 on the CPU (served)
     params = solver_params(
         batch=batch, kv_heads=kv_heads, rows=groups * rows, keys=keys, dim=dim, value_dim=value.shape[-1],
         q_rows=rows, query=query.data_ptr(), key=key.data_ptr(), value=value.data_ptr(),
