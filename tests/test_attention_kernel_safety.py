@@ -279,8 +279,9 @@ def test_the_certificates_codes_are_checked_before_the_kernel_reads_or_writes_th
     codes = keycodes.KeyCodes(problem.key)
     codes.reserve(40, 40)
     slots = codes.codes.shape[2]
-    good = kernel.decode(problem, 1.5, codes=copy.copy(codes), length=40, certify=True)
-    assert good is not None
+    good = kernel.decode(problem, 1.5, codes=codes, length=40, certify=True)
+    assert good is not None and codes.checked_as is not None  # checked once: each copy below carries that mark,
+    # and a tensor replaced (another object) is checked again
     wrong = {"key codes are torch.int16": dict(codes=codes.codes.to(torch.int16)),
              "key codes must be contiguous": dict(codes=torch.zeros(2, 2, 8, slots, dtype=torch.int8).transpose(2, 3)),
              "key codes is on meta": dict(codes=codes.codes.to("meta")),

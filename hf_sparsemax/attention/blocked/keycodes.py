@@ -60,6 +60,8 @@ class KeyCodes:
         self.certified = torch.zeros(batch * heads, dtype=torch.int64, device=key.device)
         self.coded = 0
         self.wait = 0  # steps before the next certified one (after one that did not pay: RETRY)
+        self.checked_as = None  # the tensors and call layout the kernel last checked (its tensors are replaced, by
+        # reserve and reorder, never resized in place: the same objects of the same sizes need no second check)
 
     def fits(self, key: torch.Tensor) -> bool:
         return self.codes.shape[:2] == key.shape[:2] and self.codes.shape[-1] == key.shape[-1]

@@ -34,6 +34,7 @@ environment variable ``HF_SPARSEMAX_KV_SKIP=0``.
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import weakref
@@ -42,6 +43,7 @@ import torch
 
 from ...mappings import compiled
 from ...mappings._core import masked_below
+from .growing_cache import GrowingLayer
 from .step_memo import Memo
 
 PAGE = 64  # keys a page
@@ -70,14 +72,14 @@ def reset_counts() -> None:
     COUNTS.update(calls=0, pages=0, skipped=0)
 
 
+@functools.lru_cache(maxsize=1)
 def layer_kinds() -> tuple[type, ...]:
     """The cache layers whose keys a summary can follow: appended to (``DynamicLayer``: a new tensor, the old
     one its prefix) or written in place after the filled length (``StaticLayer``). Not a sliding window (drops
     its oldest keys) nor a quantized cache (hands the attention other tensors than it keeps). The library's
-    :class:`.growing_cache.GrowingLayer` appends in place after its filled views (a new view each step)."""
+    :class:`.growing_cache.GrowingLayer` appends in place after its filled views (a new view each step).
+    (Imported once: every layer's call asks.)"""
     from transformers.cache_utils import DynamicLayer, StaticLayer
-
-    from .growing_cache import GrowingLayer
 
     return DynamicLayer, StaticLayer, GrowingLayer
 
@@ -191,8 +193,6 @@ def strided_rows(layer, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``key`` / ``value`` are a :class:`.growing_cache.GrowingLayer`'s views of its buffers (rows
     contiguous, heads strided by the capacity: the fused kernel reads them by their strides; page gathers read a
     contiguous copy)."""
-    from .growing_cache import GrowingLayer
-
     return isinstance(layer, GrowingLayer) and value is layer.values and layer.views_buffers()
 
 

@@ -267,10 +267,15 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
                 or dim > MAX_CODED_DIM or dim % 2):
             raise ValueError(f"fused attention kernel: key codes of shape {tuple(codes.codes.shape)} ({codes.coded} "
                              f"keys coded) cannot code {length} keys of {keys}, head size {dim}")
-        checked_codes((("key codes", codes.codes, (batch, kv_heads, size, dim), torch.int8),
-                       ("key scales", codes.scales, (batch, kv_heads, size), torch.float32),
-                       ("key code bounds", codes.bounds, (batch, kv_heads, 2), torch.float64),
-                       ("certified counts", codes.certified, (batch * kv_heads,), torch.int64)), device)
+        tensors = (codes.codes, codes.scales, codes.bounds, codes.certified)
+        layout = ((batch, kv_heads, size, dim), device, [t.shape for t in tensors])
+        held = getattr(codes, "checked_as", None)  # (the tensors, the layout) the last check passed
+        if held is None or held[1] != layout or any(a is not b for a, b in zip(held[0], tensors)):
+            checked_codes((("key codes", codes.codes, (batch, kv_heads, size, dim), torch.int8),
+                           ("key scales", codes.scales, (batch, kv_heads, size), torch.float32),
+                           ("key code bounds", codes.bounds, (batch, kv_heads, 2), torch.float64),
+                           ("certified counts", codes.certified, (batch * kv_heads,), torch.int64)), device)
+            codes.checked_as = (tensors, layout)  # the same tensors, sizes and call: not checked again
         params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()
         params.code_bounds, params.certified = codes.bounds.data_ptr(), codes.certified.data_ptr()
         params.c_b, params.c_h = codes.scales.stride(0), codes.scales.stride(1)
