@@ -22,11 +22,18 @@ the ratio (sparse / softmax), each by both clocks, the share of keys the int8 ce
 in the sparse engine's steps of the setting, warm-up included (read from its engine process), ``uptime``'s load
 before and after, and the targets of issue 55 (long prompts at 8k: >= 1.3x at batch 1 and 8; short prompts at
 batch 8: >= 1.0x) met or MISSED by each clock. ``--profile``: then one ``generate(1 + new tokens)`` of the last
-setting profiled in each engine process (cProfile, the thread's CPU time). Prompts stay within SmolLM2's 8192
-positions (16k-token prompts would need its rope extended: not measured here).
+setting profiled in each engine process (cProfile, the thread's CPU time).
 
-    VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=. python benchmarks/bench_serving_long.py --prompt-tokens 0 2048 8000 \
-        --batch 1 8 --new-tokens 32 --repeats 3
+SmolLM2 has 8192 positions: ``--rope-factor F`` saves both folders with its rotary positions linearly interpolated
+``F`` times (``bench_interleaved.rope_options``: the same config in both, so the twin is the same model; vLLM and
+transformers read it from the folder), for prompts up to ``8192 F`` tokens; a longer prompt is refused. Prompts of
+16000 tokens (``--rope-factor 2``) need a KV cache of about 0.8 GiB a engine at batch 1 and 8 alike (the batch's
+shared prefix is cached once; 45 KiB a token, float32), the entmax15 engine's int8 codes beside it.
+
+    VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=.:benchmarks python benchmarks/bench_serving_long.py \
+        --prompt-tokens 0 2048 8000 --batch 1 8 --new-tokens 32 --repeats 3
+    VLLM_CPU_KVCACHE_SPACE=3 PYTHONPATH=.:benchmarks python benchmarks/bench_serving_long.py --rope-factor 2 \
+        --prompt-tokens 16000 --batch 1 8 --new-tokens 32 --repeats 3
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the certificate's counts read by collective_rpc
 
+from bench_interleaved import rope_options  # noqa: E402
 from bench_serving_attention import save_folders  # noqa: E402
 
 TAIL = 16  # tokens of its own at the end of each prompt of a long batch
 BLOCK_SIZE = 128  # vLLM's cache block (slots): a multiple of the certificate's code blocks
+POSITIONS = 8192  # SmolLM2's trained positions
 TARGETS = {(8000, 1): 1.3, (8000, 8): 1.3, (0, 8): 1.0}  # (prompt tokens from, batch): decoding tokens/s ratio
 
 
@@ -169,14 +178,19 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then profile one generate(1 + new tokens) of the last setting in each engine (cProfile)")
     parser.add_argument("--max-batched", type=int, default=2048, help="vLLM's max_num_batched_tokens (chunk size)")
+    parser.add_argument("--rope-factor", type=float, default=None,
+                        help="SmolLM2's rope interpolated linearly this many times in both folders (16k prompts: 2)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
+    max_len = max(max(args.prompt_tokens), 64) + args.new_tokens + 8
+    if max_len > POSITIONS * (args.rope_factor or 1):
+        raise ValueError(f"prompts of {max(args.prompt_tokens)} tokens and {args.new_tokens} new ones pass "
+                         f"SmolLM2's {POSITIONS} positions (x{args.rope_factor or 1}): pass a larger --rope-factor")
     with tempfile.TemporaryDirectory() as root:
-        folders = save_folders(root, args.attn)
+        folders = save_folders(root, args.attn, **rope_options(args.rope_factor))
         tokenizer = AutoTokenizer.from_pretrained(folders["softmax"])
         ids = text_ids(tokenizer)
-        max_len = max(max(args.prompt_tokens), 64) + args.new_tokens + 8
         engines = {}
         for name, folder in folders.items():
             before = children()
@@ -185,7 +199,8 @@ def main() -> None:
         sparse = engines[args.attn]
         print(f"\n{args.attn} against softmax, vLLM {BLOCK_SIZE}-slot blocks, chunked prefill "
               f"({args.max_batched} tokens a step), prefix caching; {args.new_tokens} decode tokens a request, "
-              f"median of {args.repeats} alternating rounds; long batches share all but {TAIL} tokens a prompt")
+              f"median of {args.repeats} alternating rounds; long batches share all but {TAIL} tokens a prompt"
+              + (f"; rope x{args.rope_factor:g} (linear)" if args.rope_factor else ""))
         print("Each engine's decoding tokens/s by the wall clock, and by its processes' CPU time (user + system: "
               "what a step costs, less the other programs that share the cores)")
         print(f"| prompt tokens | batch | softmax tokens/s (wall / CPU) | {args.attn} tokens/s (wall / CPU) | "
