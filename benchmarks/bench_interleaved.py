@@ -57,10 +57,11 @@ PREFILL_TARGETS = {"entmax_bisect": 1.3}  # issue 47: prefill at 2048 tokens (a 
 
 def rope_options(factor: float | None) -> dict:
     """``from_pretrained`` keywords of SmolLM2 with its rotary positions interpolated ``factor`` times (linear,
-    ``max_position_embeddings`` 8192 ``factor``), for contexts past its 8192 trained positions; {} for None."""
+    ``max_position_embeddings`` 8192 ``factor``), for contexts past its 8192 trained positions; {} for None. The
+    factor is a float in the saved config (vLLM 0.32's linear rope fails on an int)."""
     if not factor:
         return {}
-    return dict(rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 100000.0},
+    return dict(rope_parameters={"rope_type": "linear", "factor": float(factor), "rope_theta": 100000.0},
                 max_position_embeddings=int(8192 * factor))
 
 

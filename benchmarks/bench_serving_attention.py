@@ -26,8 +26,10 @@ import hf_sparsemax as hs
 from hf_sparsemax.app.assets import load_smollm2
 
 
-def save_folders(root: str, attn: str) -> dict[str, str]:
-    model, tokenizer = load_smollm2(dtype=torch.float32)
+def save_folders(root: str, attn: str, **config) -> dict[str, str]:
+    """SmolLM2 (float32) saved as it is (``softmax``) and patched with ``attn``; ``config``: ``from_pretrained``
+    keywords that change its config (the rope), saved in both folders alike."""
+    model, tokenizer = load_smollm2(dtype=torch.float32, **config)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -19,14 +19,24 @@ Decoding time, prefill separated: each round times ``generate(max_tokens=1)`` an
 and by the CPU time (user + system) of the engine's own processes (its engine core and worker: on a shared machine
 the wall clock counts the other programs' bursts too). Printed per setting: both engines' decoding tokens/s and
 the ratio (sparse / softmax), each by both clocks, the share of keys the int8 certificate never read
-in the sparse engine's steps of the setting, warm-up included (read from its engine process), ``uptime``'s load
-before and after, and the targets of issue 55 (long prompts at 8k: >= 1.3x at batch 1 and 8; short prompts at
-batch 8: >= 1.0x) met or MISSED by each clock. ``--profile``: then one ``generate(1 + new tokens)`` of the last
-setting profiled in each engine process (cProfile, the thread's CPU time). Prompts stay within SmolLM2's 8192
-positions (16k-token prompts would need its rope extended: not measured here).
+in the sparse engine's steps of the setting, warm-up included (read from its engine process), each engine's
+median wall seconds to the first token (``t_short``: the uncached tails prefilled over the cached prefix, one
+token sampled), ``uptime``'s load before and after, and the targets of issue 55 (long prompts at 8k: >= 1.3x at
+batch 1 and 8; short prompts at batch 8: >= 1.0x) met or MISSED by each clock. ``--profile``: then one
+``generate(1 + new tokens)`` of the last setting profiled in each engine process (cProfile, the thread's CPU time).
 
-    VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=. python benchmarks/bench_serving_long.py --prompt-tokens 0 2048 8000 \
-        --batch 1 8 --new-tokens 32 --repeats 3
+SmolLM2 has 8192 positions: ``--rope-factor F`` saves both folders with its rotary positions linearly interpolated
+``F`` times (``bench_interleaved.rope_options``: the same config in both, so the twin is the same model; vLLM and
+transformers read it from the folder), for prompts up to ``8192 F`` tokens; a longer prompt is refused. Memory:
+SmolLM2's float32 KV is 45 KiB a token, so 16000-token prompts (``--rope-factor 2``) hold ~0.75 GiB of cache in
+each engine at batch 1 and 8 alike (a batch's shared prefix is cached once, each prompt's own last blocks beside
+it); ``VLLM_CPU_KVCACHE_SPACE=3`` (69.5k tokens) leaves room for the earlier settings' prefixes, and the entmax15
+engine's int8 codes take 14% more than the cache space (they code every slot: 0.42 GiB for 3 GiB).
+
+    VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=.:benchmarks python benchmarks/bench_serving_long.py \
+        --prompt-tokens 0 2048 8000 --batch 1 8 --new-tokens 32 --repeats 3
+    VLLM_CPU_KVCACHE_SPACE=3 PYTHONPATH=.:benchmarks python benchmarks/bench_serving_long.py --rope-factor 2 \
+        --prompt-tokens 16000 --batch 1 8 --new-tokens 32 --repeats 3
 """
 
 from __future__ import annotations
@@ -39,10 +49,12 @@ import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the certificate's counts read by collective_rpc
 
+from bench_interleaved import rope_options  # noqa: E402
 from bench_serving_attention import save_folders  # noqa: E402
 
 TAIL = 16  # tokens of its own at the end of each prompt of a long batch
 BLOCK_SIZE = 128  # vLLM's cache block (slots): a multiple of the certificate's code blocks
+POSITIONS = 8192  # SmolLM2's trained positions
 TARGETS = {(8000, 1): 1.3, (8000, 8): 1.3, (0, 8): 1.0}  # (prompt tokens from, batch): decoding tokens/s ratio
 
 
@@ -142,8 +154,9 @@ def timed(llm, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
 
 
 def setting(engines: dict, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, tuple]:
-    """Each engine's median decoding tokens/s on ``prompts`` by the wall clock and by its processes' CPU time
-    (rounds alternating the engines' order)."""
+    """Each engine's median decoding tokens/s on ``prompts`` by the wall clock and by its processes' CPU time, and
+    its median wall seconds to the first token (``generate(max_tokens=1)``: the prefix-cached prompts' uncached
+    tails prefilled; rounds alternating the engines' order)."""
     names = list(engines)
     for name in names:  # warm-up: every prompt prefilled and its blocks cached
         timed(engines[name], prompts[:1], 1)
@@ -153,10 +166,10 @@ def setting(engines: dict, prompts: list[list[int]], new_tokens: int, repeats: i
         for name in names if round_ % 2 == 0 else names[::-1]:
             short = timed(engines[name], prompts, 1)
             long = timed(engines[name], prompts, 1 + new_tokens)
-            decode[name].append((long[0] - short[0], long[1] - short[1]))
+            decode[name].append((long[0] - short[0], long[1] - short[1], short[0]))
     tokens = len(prompts) * new_tokens
-    return {name: tuple(tokens / statistics.median(t[i] for t in times) for i in (0, 1))
-            for name, times in decode.items()}
+    return {name: (*(tokens / statistics.median(t[i] for t in times) for i in (0, 1)),
+                   statistics.median(t[2] for t in times)) for name, times in decode.items()}
 
 
 def main() -> None:
@@ -169,14 +182,19 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then profile one generate(1 + new tokens) of the last setting in each engine (cProfile)")
     parser.add_argument("--max-batched", type=int, default=2048, help="vLLM's max_num_batched_tokens (chunk size)")
+    parser.add_argument("--rope-factor", type=float, default=None,
+                        help="SmolLM2's rope interpolated linearly this many times in both folders (16k prompts: 2)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
+    max_len = max(max(args.prompt_tokens), 64) + args.new_tokens + 8
+    if max_len > POSITIONS * (args.rope_factor or 1):
+        raise ValueError(f"prompts of {max(args.prompt_tokens)} tokens and {args.new_tokens} new ones pass "
+                         f"SmolLM2's {POSITIONS} positions (x{args.rope_factor or 1}): pass a larger --rope-factor")
     with tempfile.TemporaryDirectory() as root:
-        folders = save_folders(root, args.attn)
+        folders = save_folders(root, args.attn, **rope_options(args.rope_factor))
         tokenizer = AutoTokenizer.from_pretrained(folders["softmax"])
         ids = text_ids(tokenizer)
-        max_len = max(max(args.prompt_tokens), 64) + args.new_tokens + 8
         engines = {}
         for name, folder in folders.items():
             before = children()
@@ -185,12 +203,14 @@ def main() -> None:
         sparse = engines[args.attn]
         print(f"\n{args.attn} against softmax, vLLM {BLOCK_SIZE}-slot blocks, chunked prefill "
               f"({args.max_batched} tokens a step), prefix caching; {args.new_tokens} decode tokens a request, "
-              f"median of {args.repeats} alternating rounds; long batches share all but {TAIL} tokens a prompt")
+              f"median of {args.repeats} alternating rounds; long batches share all but {TAIL} tokens a prompt"
+              + (f"; rope x{args.rope_factor:g} (linear)" if args.rope_factor else ""))
         print("Each engine's decoding tokens/s by the wall clock, and by its processes' CPU time (user + system: "
               "what a step costs, less the other programs that share the cores)")
         print(f"| prompt tokens | batch | softmax tokens/s (wall / CPU) | {args.attn} tokens/s (wall / CPU) | "
-              "ratio (wall / CPU) | keys never read | load before / after | target (wall / CPU) |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+              "ratio (wall / CPU) | keys never read | first token s (softmax / sparse) | load before / after | "
+              "target (wall / CPU) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
         for length in args.prompt_tokens:
             for batch in args.batch:
                 prompts = prompts_of(ids, tokenizer, length, batch)
@@ -204,9 +224,10 @@ def main() -> None:
                              if size == batch and (length >= start if start else length == 0)), None)
                 verdict = "-" if goal is None else f">= {goal}x: " + " / ".join(
                     "met" if ratio >= goal else "MISSED" for ratio in ratios)
-                soft, mine = (" / ".join(f"{rate:.1f}" for rate in rates[name]) for name in ("softmax", args.attn))
+                soft, mine = (" / ".join(f"{rate:.1f}" for rate in rates[name][:2]) for name in ("softmax", args.attn))
+                first = " / ".join(f"{rates[name][2]:.2f}" for name in ("softmax", args.attn))
                 print(f"| {length or 'short'} | {batch} | {soft} | {mine} | {ratios[0]:.2f}x / {ratios[1]:.2f}x | "
-                      f"{never} | {before} / {load()} | {verdict} |", flush=True)
+                      f"{never} | {first} | {before} / {load()} | {verdict} |", flush=True)
         for name, llm in engines.items() if args.profile else ():
             timed(llm, prompts, 1)
             llm.collective_rpc(start_profile)

@@ -175,6 +175,50 @@ def test_long_prompts_decode_through_the_int8_certificate_as_transformers(folder
     assert calls > 0 and never > keys / 2
 
 
+def rope_extended(folder, tmp_path, factor: float):
+    """A copy of ``folder`` (its files linked) whose config interpolates the rope linearly ``factor`` times, as
+    ``benchmarks/bench_serving_long.py --rope-factor`` saves SmolLM2 (vLLM and transformers read the same config)."""
+    import json
+
+    copy = tmp_path / f"{folder.name}_rope_x{factor:g}"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if path.name != "config.json":
+            (copy / path.name).symlink_to(path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": float(factor)}
+    config["max_position_embeddings"] = int(config["max_position_embeddings"] * factor)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_prompts_past_the_trained_positions_decode_as_transformers_with_the_rope_extended(folders, tmp_path,
+                                                                                          monkeypatch):
+    """SmolLM2 has 8192 positions: with its rope interpolated x2, an entmax15 prompt of 8300 tokens (prefilled in
+    chunks), then one sharing all but its last 16 tokens (a prefix-cache hit past 8192 tokens), decode through the
+    int8 certificate to transformers' greedy tokens on the same config (the reduced form of the 16000-token check
+    of docs/speed-attention.md, which ran the whole model)."""
+    from transformers import AutoTokenizer
+
+    from hf_sparsemax.app.assets import pydoc_topics
+    from hf_sparsemax.attention.blocked import keycodes
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = rope_extended(folders / "entmax15+sparsemax_loss", tmp_path, 2)
+    ids = AutoTokenizer.from_pretrained(folder)("\n\n".join(pydoc_topics()))["input_ids"]
+    prompts = [ids[:8300], ids[:8284] + ids[9000:9016]]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    keycodes.reset_counts()
+    (first, second), hits = served(folder, (prompts[:1], params), (prompts[1:], params), max_model_len=8400,
+                                   max_num_batched_tokens=2048)
+    keys, never = keycodes.COUNTS["keys"], keycodes.COUNTS["certified"]
+    expected, gap = transformers_greedy(folder, prompts)
+    print(f"rope x2, 8300-token prompts: {never / max(keys, 1):.1%} of {keys} keys never read; prefix-cache hits "
+          f"{hits}; smallest top-2 logit gap {gap:.3g}")
+    assert [list(output.outputs[0].token_ids) for output in first + second] == expected
+    assert hits >= 8192 and never > keys / 2
+
+
 def test_a_folder_whose_learned_alphas_are_missing_is_refused(folders, tmp_path):
     """vLLM checks no parameter of a folder with a quantization method: hf_sparsemax refuses it after loading."""
     import shutil
