@@ -108,6 +108,7 @@ class SlotCodes:
     def __init__(self, key_rows: torch.Tensor) -> None:
         slots, heads, dim = key_rows.shape
         size, device = -(-slots // BLOCK) * BLOCK, key_rows.device
+        self.checked_as = None  # what the kernel last checked (fused.checked_slot_codes)
         self.codes = torch.zeros(heads, size, dim, dtype=torch.int8, device=device)
         self.scales = torch.full((heads, size), float("nan"), device=device)
         self.residuals = torch.zeros(heads, size, device=device)

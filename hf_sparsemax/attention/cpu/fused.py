@@ -331,7 +331,13 @@ def checked_codes(operands, device: torch.device) -> None:
 def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     """The slots ``S`` of a paged cache's codes (:class:`.keycodes.SlotCodes`) for ``key_rows [slots, Hkv, D]``:
     ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32 (:func:`checked_codes`), ``S`` a
-    multiple of ``CODE_BLOCK`` covering the cache; a mismatch is a ValueError."""
+    multiple of ``CODE_BLOCK`` covering the cache; a mismatch is a ValueError. Checked once for the same code
+    tensors (made once, never resized in place) and a cache of the same size and device."""
+    tensors = (codes.codes, codes.scales, codes.residuals)
+    layout = (key_rows.shape, key_rows.device, [t.shape for t in tensors])
+    held = getattr(codes, "checked_as", None)  # (the tensors, the layout, S) the last check passed: an engine's
+    if held is not None and held[1] == layout and all(a is b for a, b in zip(held[0], tensors)):  # every layer call
+        return held[2]
     slots, kv_heads, dim = key_rows.shape
     size = codes.codes.shape[1] if codes.codes.dim() == 3 else -1
     if size < slots or size % CERTIFICATE["CODE_BLOCK"] or dim % 2 or dim > MAX_CODED_DIM:
@@ -340,6 +346,7 @@ def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     checked_codes((("slot codes", codes.codes, (kv_heads, size, dim), torch.int8),
                    ("slot scales", codes.scales, (kv_heads, size), torch.float32),
                    ("slot residuals", codes.residuals, (kv_heads, size), torch.float32)), key_rows.device)
+    codes.checked_as = (tensors, layout, size)  # the same tensors and sizes again: not checked again
     return size
 
 
