@@ -294,7 +294,7 @@ def greedy(model, prompt: list[int], steps: int, timed: int = 0, cache=None,
     model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
     return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
                     "steps": timed, "context": len(prompt),
-                    "seconds": round(sum(times["model"]) + sum(times["sdpa"]), 1)}
+                    "seconds": round(sum(times["model"]) + sum(times["sdpa"]), 4)}
 
 
 class SharedPrefix:
