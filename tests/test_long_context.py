@@ -240,6 +240,13 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # 
         assert all(v in (0.0, 1.0) for row in result["passkey_accuracy"].values() for v in row.values())
         assert 0 <= result["attention_zero_share"] <= 1
         assert result["decode"]["context"] == 2200 and result["decode"]["tokens_per_s"] > 0
+        parts = result["part_seconds"]  # where the time went: [wall, cpu] seconds of each part
+        assert {"prepare", "train", "evaluate", "decoders_and_samples", "heatmap", "long_context"} <= set(parts)
+        assert ("calibrate" in parts) == (name.startswith("entmax15_converted"))
+        assert all(len(pair) == 2 and min(pair) >= 0 for pair in parts.values())
+        seconds = result["long_context"]["passkey_seconds"]
+        assert set(seconds) == {"600", "2200"} and all(set(p) == {"prefix", "prompt"} for p in seconds.values())
+        assert 0 < result["decode"]["seconds"] <= seconds["2200"]["prompt"][0] + 0.1
         if name == "softmax_ce":
             assert result["keys_never_read"] is None and result["attention_zero_share"] == 0
         else:

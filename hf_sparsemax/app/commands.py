@@ -182,11 +182,15 @@ def load_everything(recipe: Recipe):
 def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_set, eval_set, labels, work: str,
                 resume: bool, heatmap: bool, long=None) -> tuple[dict[str, Any], Any]:
     """Train, evaluate and (causal LM) sample one variant in ``work``; returns its results and attention map.
-    ``long``: ``(held-out documents, LongSpec)``, the evaluation at length (:mod:`.long_context`)."""
-    model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
+    ``long``: ``(held-out documents, LongSpec)``, the evaluation at length (:mod:`.long_context`). The results'
+    ``part_seconds``: ``{part: [wall, cpu]}`` seconds of each part (:func:`.runner.timed`)."""
+    parts: dict[str, list[float]] = {}
+    with runner.timed(parts, "prepare"):
+        model, custom_loss = runner.prepare(runner.fresh_copy(base_model), recipe, variant)
     fitted = {}
     if variant.calibrate is not None:
-        fitted = runner.calibrate(model, variant, train_set, recipe.training_args(variant).get("per_device_train_batch_size", 8))
+        with runner.timed(parts, "calibrate"):
+            fitted = runner.calibrate(model, variant, train_set, recipe.training_args(variant).get("per_device_train_batch_size", 8))
     trainer = runner.make_trainer(recipe, variant, model, tokenizer, train_set, eval_set, work,
                                   num_labels=len(labels) if labels else None, custom_loss=custom_loss)
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
@@ -203,28 +207,33 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     curve = trainer.hf_sparsemax_curve
     if curve is not None:
         curve.start(trainer.model)  # step 0: the model as patched (and calibrated), before any callback runs
-    results.update(runner.train(trainer, work, resume))
+    with runner.timed(parts, "train"):
+        results.update(runner.train(trainer, work, resume))
     if curve is not None:
         results.update(curve=curve.points, step0_loss=curve.points[0]["eval_loss"],
                        heldout_attention_zero_share=curve.points[-1]["attention_zero_share"])
-    results.update(runner.evaluate(trainer))
+    with runner.timed(parts, "evaluate"):
+        results.update(runner.evaluate(trainer))
     if curve is None and recipe.task == "causal_lm":  # the held-out zeros the curves' last point would give
         from .curves import measure
 
-        results["heldout_attention_zero_share"] = measure(trainer.model, eval_set, recipe.eval.curve_blocks,
-                                                          recipe.eval.batch_size)["attention_zero_share"]
+        with runner.timed(parts, "evaluate"):
+            results["heldout_attention_zero_share"] = measure(trainer.model, eval_set, recipe.eval.curve_blocks,
+                                                              recipe.eval.batch_size)["attention_zero_share"]
     results.update(runner.learned_alphas(trainer.model, start_alphas))
     results.update(runner.learned_length_scale(trainer.model))
     attention = None
     if is_main_process():
         runner.save_variant(work, recipe, variant, labels, trainer.model)
         if recipe.task == "causal_lm":
-            results["decoders"] = score_decoders(trainer.model, recipe, variant, eval_set)
-            results.update(runner.sample(trainer.model, tokenizer, recipe))
+            with runner.timed(parts, "decoders_and_samples"):
+                results["decoders"] = score_decoders(trainer.model, recipe, variant, eval_set)
+                results.update(runner.sample(trainer.model, tokenizer, recipe))
             if heatmap:
                 from .report import head_zero_shares, zero_share
 
-                weights, tokens = runner.attention_weights(trainer.model, tokenizer, recipe)
+                with runner.timed(parts, "heatmap"):
+                    weights, tokens = runner.attention_weights(trainer.model, tokenizer, recipe)
                 attention = weights[recipe.eval.heatmap_layer, recipe.eval.heatmap_head], tokens
                 results["attention_zero_share"] = zero_share(attention[0])
                 if start_alphas is not None:
@@ -232,7 +241,9 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
             if long is not None:
                 from . import long_context
 
-                results.update(long_context.evaluate(trainer.model, tokenizer, *long))
+                with runner.timed(parts, "long_context"):
+                    results.update(long_context.evaluate(trainer.model, tokenizer, *long))
+        results["part_seconds"] = parts
         runner.write_json(os.path.join(work, "results.json"), results)
         shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
     del trainer, model

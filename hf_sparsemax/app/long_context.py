@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from .._model import base_model
 from .recipes import LongSpec, RecipeError, long_spec  # noqa: F401  (long_spec: the spec's parser, with the recipe's)
+from .runner import timed
 
 BUCKETS = ((0, 512), (512, 2048), (2048, 4096), (4096, 8192))
 LOGIT_CHUNK = 1024  # positions whose logits are formed at a time (8192 x 49152 float32 logits would be 1.6 GB)
@@ -292,7 +293,8 @@ def greedy(model, prompt: list[int], steps: int, timed: int = 0, cache=None,
                     times[name].append(time.perf_counter() - start)
     model_s, sdpa_s = statistics.median(times["model"]), statistics.median(times["sdpa"])
     return tokens, {"tokens_per_s": 1 / model_s, "sdpa_tokens_per_s": 1 / sdpa_s, "ratio_to_sdpa": sdpa_s / model_s,
-                    "steps": timed, "context": len(prompt)}
+                    "steps": timed, "context": len(prompt),
+                    "seconds": round(sum(times["model"]) + sum(times["sdpa"]), 4)}
 
 
 class SharedPrefix:
@@ -321,7 +323,10 @@ class SharedPrefix:
 
 def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
     """``passkey_accuracy``, ``keys_never_read(_by_context)`` and ``decode`` (module docstring). The cells
-    (context, depth, trial) of one rotary setting share the prefill of their common prefix (:class:`SharedPrefix`)."""
+    (context, depth, trial) of one rotary setting share the prefill of their common prefix (:class:`SharedPrefix`).
+    ``passkey_seconds``: ``{context: {"prefix": [wall, cpu], "prompt": [wall, cpu]}}``, the seconds of growing the
+    shared prefix to the context's prompts and of their rest and answers (the timed decoding steps included: their
+    own wall seconds are ``decode["seconds"]``)."""
     model.eval()
     ropes = {context: rope_for(model, context, spec.rope_factor) for context in spec.contexts}  # all checked first
     rng = random.Random(spec.seed)
@@ -334,20 +339,20 @@ def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
     right: dict[tuple[int, float], int] = {}
     counts: dict[int, dict[str, int]] = {context: {} for context in spec.contexts}
     decode: dict[str, Any] = {}
-    seconds: dict[str, float] = {}
+    seconds: dict[str, dict[str, list[float]]] = {str(context): {} for context in spec.contexts}
     with torch.no_grad():
         for rope in dict.fromkeys(ropes.values()):
-            began = time.perf_counter()
             group = sorted((c for c in cells if c[0] == rope), key=lambda c: len(c[1]))
             with extended_rope(model, rope):
                 shared = SharedPrefix(model)
                 for _, prefix, rest, answer, context, depth in group:
-                    timed = spec.decode_steps if context == spec.decode_context and not decode else 0
-                    tokens, timing = greedy(model, prefix + rest, len(answer), timed, shared.grown_to(prefix),
-                                            counts[context])
+                    steps = spec.decode_steps if context == spec.decode_context and not decode else 0
+                    with timed(seconds[str(context)], "prefix"):
+                        cache = shared.grown_to(prefix)
+                    with timed(seconds[str(context)], "prompt"):
+                        tokens, timing = greedy(model, prefix + rest, len(answer), steps, cache, counts[context])
                     decode.update(timing)
                     right[context, depth] = right.get((context, depth), 0) + (tokens == answer)
-            seconds["rope x%g" % rope if rope else "positions"] = round(time.perf_counter() - began, 1)
     accuracy = {str(c): {f"{d:g}": right[c, d] / spec.trials for d in spec.depths} for c in spec.contexts}
     never = {str(c): counts[c]["certified"] / counts[c]["keys"] if counts[c].get("calls") else None
              for c in spec.contexts}
@@ -357,21 +362,23 @@ def passkey(model, tokenizer, spec: LongSpec) -> dict[str, Any]:
 
 def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
     """Every measurement of the module docstring, as ``results.json`` keys; ``long_context`` adds the spec and the
-    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included;
-    ``passkey_seconds`` per rotary setting), the process's CPU seconds (every thread) and the load at the end."""
+    seconds of each part (``ce_seconds``: the documents' forward passes, the exact zeros' included, and
+    ``ce_cpu_seconds``; ``passkey_seconds`` per context, :func:`passkey`), the process's CPU seconds (every
+    thread) and the load at the end."""
     if not documents:
         raise ValueError("the evaluation at length needs at least one document")
     start, cpu = time.perf_counter(), time.process_time()
-    losses, zero_share = [], None
-    for index, ids in enumerate(documents):  # the zeros counted on the first document's first tokens, same pass
-        loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
-        losses.append(loss)
-        zero_share = zeros if index == 0 else zero_share
+    losses, zero_share, ce = [], None, {}
+    with timed(ce, "ce"):
+        for index, ids in enumerate(documents):  # the zeros counted on the first document's first tokens, same pass
+            loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
+            losses.append(loss)
+            zero_share = zeros if index == 0 else zero_share
     out = {"cross_entropy_by_length": bucket_means(losses), "attention_zero_share": zero_share}
-    ce_seconds = time.perf_counter() - start
     out.update(passkey(model, tokenizer, spec))
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
-                           "seconds": round(time.perf_counter() - start, 1), "ce_seconds": round(ce_seconds, 1),
+                           "seconds": round(time.perf_counter() - start, 1), "ce_seconds": ce["ce"][0],
+                           "ce_cpu_seconds": ce["ce"][1],
                            "cpu_seconds": round(time.process_time() - cpu, 1), "load": round(os.getloadavg()[0], 2),
                            "passkey_seconds": out.pop("passkey_seconds")}
     return out

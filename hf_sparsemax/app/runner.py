@@ -14,6 +14,7 @@ Bad input (a missing model or dataset, a model transformers cannot load, a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -147,6 +148,18 @@ def patch_variant(model, recipe: Recipe, variant: Variant):
     patch_model(model, attn=variant.attn, loss=loss, attn_options=variant.attn_options or None,
                 loss_options=options or None)
     return custom
+
+
+@contextlib.contextmanager
+def timed(into: dict[str, list[float]], name: str):
+    """While the block runs: its wall-clock and process CPU seconds (every thread) added to ``into[name]``, a
+    ``[wall, cpu]`` pair (where a comparison's time goes: ``part_seconds`` in a variant's results)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield
+    finally:
+        wall, used = into.get(name, (0.0, 0.0))
+        into[name] = [round(wall + time.perf_counter() - start, 1), round(used + time.process_time() - cpu, 1)]
 
 
 def calibrate(model, variant: Variant, train_set, batch_size: int) -> dict[str, Any]:
