@@ -267,15 +267,13 @@ def decode(problem, alpha: float | torch.Tensor, codes=None, length: int = 0,
                 or dim > MAX_CODED_DIM or dim % 2):
             raise ValueError(f"fused attention kernel: key codes of shape {tuple(codes.codes.shape)} ({codes.coded} "
                              f"keys coded) cannot code {length} keys of {keys}, head size {dim}")
-        tensors = (codes.codes, codes.scales, codes.bounds, codes.certified)
-        layout = ((batch, kv_heads, size, dim), device, [t.shape for t in tensors])
-        held = getattr(codes, "checked_as", None)  # (the tensors, the layout) the last check passed
-        if held is None or held[1] != layout or any(a is not b for a, b in zip(held[0], tensors)):
-            checked_codes((("key codes", codes.codes, (batch, kv_heads, size, dim), torch.int8),
-                           ("key scales", codes.scales, (batch, kv_heads, size), torch.float32),
-                           ("key code bounds", codes.bounds, (batch, kv_heads, 2), torch.float64),
-                           ("certified counts", codes.certified, (batch * kv_heads,), torch.int64)), device)
-            codes.checked_as = (tensors, layout)  # the same tensors, sizes and call: not checked again
+        checked_once(codes, (codes.codes, codes.scales, codes.bounds, codes.certified),
+                     ((batch, kv_heads, size, dim), device),
+                     lambda: checked_codes((("key codes", codes.codes, (batch, kv_heads, size, dim), torch.int8),
+                                            ("key scales", codes.scales, (batch, kv_heads, size), torch.float32),
+                                            ("key code bounds", codes.bounds, (batch, kv_heads, 2), torch.float64),
+                                            ("certified counts", codes.certified, (batch * kv_heads,), torch.int64)),
+                                           device))
         params.codes, params.code_scales = codes.codes.data_ptr(), codes.scales.data_ptr()
         params.code_bounds, params.certified = codes.bounds.data_ptr(), codes.certified.data_ptr()
         params.c_b, params.c_h = codes.scales.stride(0), codes.scales.stride(1)
@@ -333,11 +331,12 @@ def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     ``codes [Hkv, S, D]`` int8, ``scales`` / ``residuals [Hkv, S]`` float32 (:func:`checked_codes`), ``S`` a
     multiple of ``CODE_BLOCK`` covering the cache; a mismatch is a ValueError. Checked once for the same code
     tensors (made once, never resized in place) and a cache of the same size and device."""
-    tensors = (codes.codes, codes.scales, codes.residuals)
-    layout = (key_rows.shape, key_rows.device, [t.shape for t in tensors])
-    held = getattr(codes, "checked_as", None)  # (the tensors, the layout, S) the last check passed: an engine's
-    if held is not None and held[1] == layout and all(a is b for a, b in zip(held[0], tensors)):  # every layer call
-        return held[2]
+    return checked_once(codes, (codes.codes, codes.scales, codes.residuals), (key_rows.shape, key_rows.device),
+                        lambda: slot_codes_size(codes, key_rows))
+
+
+def slot_codes_size(codes, key_rows: torch.Tensor) -> int:
+    """:func:`checked_slot_codes`' check itself (every time)."""
     slots, kv_heads, dim = key_rows.shape
     size = codes.codes.shape[1] if codes.codes.dim() == 3 else -1
     if size < slots or size % CERTIFICATE["CODE_BLOCK"] or dim % 2 or dim > MAX_CODED_DIM:
@@ -346,8 +345,21 @@ def checked_slot_codes(codes, key_rows: torch.Tensor) -> int:
     checked_codes((("slot codes", codes.codes, (kv_heads, size, dim), torch.int8),
                    ("slot scales", codes.scales, (kv_heads, size), torch.float32),
                    ("slot residuals", codes.residuals, (kv_heads, size), torch.float32)), key_rows.device)
-    codes.checked_as = (tensors, layout, size)  # the same tensors and sizes again: not checked again
     return size
+
+
+def checked_once(codes, tensors: tuple, layout: tuple, check):
+    """``check()``'s result, computed again only where ``codes`` (a :class:`.keycodes.KeyCodes` or ``SlotCodes``)
+    holds other tensor objects, of other sizes, or the call another ``layout`` than when it last passed (its
+    ``checked_as``): a certificate's tensors are replaced (made, grown, reordered), never resized in place, so
+    every layer call after the first skips the checks. A check that raises records nothing."""
+    sizes = [t.shape for t in tensors]
+    held = getattr(codes, "checked_as", None)
+    if held is not None and held[1] == (layout, sizes) and all(a is b for a, b in zip(held[0], tensors)):
+        return held[2]
+    result = check()
+    codes.checked_as = (tensors, (layout, sizes), result)
+    return result
 
 
 def code_slots(key_rows: torch.Tensor, slots: torch.Tensor | CheckedSlots, codes) -> bool:
