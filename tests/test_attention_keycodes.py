@@ -378,3 +378,34 @@ def test_the_keys_certified_do_not_depend_on_their_order(alpha):
             counts.append(codes.certified.tolist())
         assert counts[0] == counts[1] == counts[2], (groups, alpha, counts)
         assert min(counts[0]) > 200, counts  # most keys never read
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.3])
+def test_keys_above_the_old_cut_are_certified_by_the_floor_of_tau(alpha):
+    """A flat row: 100 keys tied near the top, 300 within 1 / (alpha - 1) of it (z in (-0.9, -0.35)), 200 far below.
+    The cut at tau >= -1 leaves the 300 candidates; the floor of tau from the counts near the top (fused.c
+    tau_floor: -1/32 - 100 ** (1 - alpha) > -0.3) places them below it, so the certificate never reads them and
+    the full step does not solve over them: the same output bit for bit, the formula's to float32 rounding."""
+    from hf_sparsemax.attention.blocked.blocks import grouped
+    from hf_sparsemax import entmax_bisect
+
+    g = torch.Generator().manual_seed(13)
+    z = torch.cat([-1e-3 * torch.rand(100, generator=g), -0.35 - 0.55 * torch.rand(300, generator=g),
+                   -1.5 - torch.rand(200, generator=g)])
+    z = z[torch.randperm(600, generator=g)]
+    query = torch.zeros(1, 2, 1, 16)
+    query[..., 0] = 4.0
+    key = 0.01 * torch.randn(1, 2, 600, 16, generator=g)
+    key[..., 0] = (8.0 + z / (alpha - 1)) / (4.0 * 0.5)  # scores 8 + z / (alpha - 1) at scaling 0.5
+    value = torch.randn(1, 2, 600, 16, generator=g)
+    problem = grouped(query, key, value, None, False, alpha, 0.5, None)
+    codes = keycodes.KeyCodes(key)
+    codes.reserve(600, 600)
+    certified = fused.decode(problem, alpha, codes=codes, length=600, certify=True)
+    assert torch.equal(certified, fused.decode(problem, alpha))
+    scores = (query.double() @ key.double().transpose(-1, -2)) * 0.5  # [1, 2, 1, 600]
+    old_cut = (alpha - 1) * (scores - scores.amax(-1, keepdim=True)) <= -fused.CANDIDATE_MARGIN
+    assert old_cut.sum(-1).flatten().tolist() == [200, 200]  # the cut at -1 certifies the far keys only
+    assert min(codes.certified.tolist()) >= 480, codes.certified  # the floor: most of the 300 as well
+    reference = entmax_bisect(scores, alpha=alpha, dim=-1) @ value.double()
+    torch.testing.assert_close(certified.double().reshape(reference.shape), reference, rtol=1e-4, atol=1e-5)

@@ -9,9 +9,11 @@ head the largest rounding residual and code norm. The fused kernel (:func:`.fuse
 codes of the keys appended since its last call (one call per layer and step, the step itself: no torch operation
 per key), scores every key's codes against the query rows' int16 codes with integer products, bounds each float
 score within ``E`` of its approximation (the proof is in ``fused.c``: the key's and the query's rounding and the
-float32 sums), and reads the float keys only of the keys some row's bound cannot place at least
-``CANDIDATE_MARGIN / (alpha - 1)`` below the row's maximum, then the value rows of the support only. Those are
-the full step's candidates with the full step's scores: the output is the full step's bit for bit.
+float32 sums), and reads the float keys only of the keys some row's bound cannot place below the keys the full
+step solves over (a floor of the threshold from the bounds of the keys near the row's maximum: ``fused.c``
+``tau_floor``; at least ``CANDIDATE_MARGIN / (alpha - 1)`` below the maximum), then the value rows of the
+support only. Those are the full step's candidates with the full step's scores: the output is the full step's bit
+for bit.
 
 Memory: ``D + 4`` bytes a key (``D`` int8 codes and a float32 scale) against ``4 D`` for a float32 key (26.6% for
 SmolLM2's ``D = 64``), in slots grown by :data:`.growing_cache.GENERATE_GROWTH` (4%: the codes held within 4% of

@@ -11,7 +11,9 @@
        p_j = relu(z_j - tau) ** (1 / (alpha - 1)),   out_i = sum_j p_j v_j,
 
    where tau in [-1, 0) is the exact threshold (sum_j p_j = 1). Since tau >= -1, a key with z_j <= -1 has
-   weight exactly 0: only the candidates z_j > -1 are collected and solved, and only their value rows are read.
+   weight exactly 0: only the candidates z_j > -1 are collected; of those, only the ones above a floor of tau
+   taken from the candidates' counts near the top (tau_floor: in a flat row, far above -1) are solved, and only
+   the support's value rows are read.
    Sparsemax and 1.5-entmax rows with few candidates (at most `sort_below`) take the closed forms on the sorted
    candidates; other rows Newton's method on the candidates in a bisection bracket until a step moves tau by at
    most `tolerance` (the eager solver's rule; Michelot's algorithm for sparsemax). A row that sees no key gets 0; a
@@ -182,9 +184,39 @@ static void support_weights(const candidate *c, int64_t count, double tau, doubl
     }
 }
 
+/* The floor of a row's threshold from its candidates (z <= 0, the row's largest 0): tau is at least
+       -c - n_c ** (1 - alpha)
+   for every c > 0 and n_c the number of candidates with z > -c (were tau below it, each of those n_c keys would
+   weigh (z - tau) ** (1 / (alpha - 1)) > 1 / n_c, together more than 1). At c = k / FLOOR_LEVELS, k = 1 ..
+   FLOOR_LEVELS - 1, from the counts per level (level[b]: the candidates whose smallest such k is b, b =
+   floor(-z FLOOR_LEVELS) + 1, exact: a power of two), the largest of these and -1 (the bound at c -> 0 for the
+   row's largest key). A row of many near-equal scores has tau near 0 (n keys tied at the top: -n ** (1 - alpha)),
+   where -1 keeps every key within 1 / (alpha - 1) of the top a candidate. The floor depends only on the
+   candidates above -c* (c* the level that gives it) and on no candidate's position: any key below the floor
+   dropped beforehand, the same keys give the same floor, bit for bit (the certificate below drops such keys). */
+static const double NO_FLOOR = -1.0; /* tau >= -1 at any rate: the row's largest weight is at most 1 */
+
+static inline int64_t floor_level(double z) {
+    double b = floor(-z * (double)FLOOR_LEVELS) + 1.0;
+    return b < (double)FLOOR_LEVELS ? (int64_t)b : FLOOR_LEVELS; /* FLOOR_LEVELS: in no level (z <= -1 + 1/L) */
+}
+
+static double tau_floor(const int64_t *level, double alpha) {
+    double best = NO_FLOOR;
+    int64_t n = 0;
+    for (int64_t k = 1; k < FLOOR_LEVELS; k++) {
+        n += level[k];
+        if (n == 0) continue;
+        double bound = -(double)k / (double)FLOOR_LEVELS -
+                       (alpha == 2.0 ? 1.0 / (double)n : alpha == 1.5 ? 1.0 / sqrt((double)n) : pow((double)n, 1.0 - alpha));
+        best = bound > best ? bound : best;
+    }
+    return best;
+}
+
 /* tau of candidates in any order, any alpha in (1, 2]: Halley's method (Newton's where its correction is large) on
-   the convex, decreasing h(tau) = F ** (alpha - 1) - 1, F = sum relu(z - tau) ** beta, from tau = -1 (h >= 0
-   there), inside the bracket [lo, hi] (a bisection step where a step leaves it), until a step moves tau by at
+   the convex, decreasing h(tau) = F ** (alpha - 1) - 1, F = sum relu(z - tau) ** beta, from tau = start (at or
+   below the root: -1 or the candidates' floor less its margin; h >= 0 there), inside the bracket [lo, hi] (a bisection step where a step leaves it), until a step moves tau by at
    most p->tolerance, at most p->max_iter steps (the eager solver's rule and cap). With S1, S2 of power_sums,
    h' = -F ** (alpha - 2) S1 and h'' = (beta - 1) F ** (alpha - 3) (F S2 - S1^2) >= 0 (Cauchy-Schwarz), so
    Halley's step is Newton's, h F ** (2 - alpha) / S1 = h (F / norm) / S1, divided by 1 - b with
@@ -193,8 +225,8 @@ static void support_weights(const candidate *c, int64_t count, double tau, doubl
    every later sum: once a pass finds h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept
    ones keep their order). The iterates rise to the root from tau = -1, so most passes drop keys: a row with many
    candidates (alpha near 1, flat rows) costs about two passes over them, not one per step. */
-static double newton(candidate *c, int64_t *count, double alpha, const hf_sparsemax_params *p) {
-    double am1 = alpha - 1.0, beta = 1.0 / am1, lo = -1.0, hi = 0.0, tau = -1.0;
+static double newton(candidate *c, int64_t *count, double alpha, double start, const hf_sparsemax_params *p) {
+    double am1 = alpha - 1.0, beta = 1.0 / am1, lo = start, hi = 0.0, tau = start;
     int64_t n = *count;
     for (int64_t it = 0; it < p->max_iter; it++) {
         double sums[3];
@@ -272,12 +304,25 @@ static void attend_keys(const float *s, int64_t keys, const int64_t *index, doub
             n += z > margin;
         }
     }
+    /* The candidates above the floor of tau less the same margin (tau_floor; -1: all of them, as collected) */
+    int64_t level[FLOOR_LEVELS + 1] = {0};
+    for (int64_t k = 0; k < n; k++) level[floor_level(chosen[k].z)]++;
+    double start = NO_FLOOR, floor_tau = tau_floor(level, alpha);
+    if (floor_tau > NO_FLOOR) {
+        start = floor_tau + (margin + 1.0); /* margin + 1 = 1 - candidate_margin <= 0 */
+        int64_t kept = 0;
+        for (int64_t k = 0; k < n; k++) { /* in order */
+            chosen[kept] = chosen[k];
+            kept += chosen[k].z > start;
+        }
+        n = kept;
+    }
     double tau;
     if ((alpha == 2.0 || alpha == 1.5) && n <= p->sort_below) {
         qsort(chosen, n, sizeof(candidate), by_z_descending);
         tau = closed_form(chosen, n, alpha);
     } else {
-        tau = newton(chosen, &n, alpha, p); /* n: the candidates above the bracket's low end */
+        tau = newton(chosen, &n, alpha, start, p); /* n: the candidates above the bracket's low end */
     }
     if (tau_out) *tau_out = tau;
     double e = 1.0 / am1 - 1.0, weights[CHUNK];
@@ -357,14 +402,21 @@ __attribute__((noinline)) static void score_keys(const hf_sparsemax_params *p, i
    addition, and the factor (1 + 1e-6) covers the roundings of E, t - E and t + E in float32 (a few u each).
 
    The certificate. Per query row, M = max_j (t_j - E_j) <= max_j s_j (the row's max, `top` in attend_row). The
-   full step's candidates are the keys with z_j = (alpha - 1)(s_j - top) > -candidate_margin; a key with
-   (alpha - 1)(t_j + E_j - M) <= -candidate_margin - 1e-9 (the cut M - (candidate_margin + 1e-9) / (alpha - 1)
-   rounded down to float32) has z_j <= -candidate_margin (the 1e-9: z's rounding in double), so it is no
-   candidate (weight exactly 0: tau >= -1 > -candidate_margin). A key certified so for every query row of its
+   full step solves over the keys with z_j = (alpha - 1)(s_j - top) > f - (candidate_margin - 1), f the floor of
+   tau (tau_floor, -1 at least) of its candidates. Let U_max = max_j (t_j + E_j) >= top and count the keys with
+   (alpha - 1)(t_j - E_j - U_max) > -k / FLOOR_LEVELS: each is a key the full step counts at level k (its z is at
+   least that; the differences exact in double, the product's rounding monotone), so the floor f' of these counts
+   is at most f (tau_floor grows with the counts). A key with (alpha - 1)(t_j + E_j - M) <= f' - (candidate_margin
+   - 1) - 1e-9 (the cut M - (candidate_margin - 1 - f' + 1e-9) / (alpha - 1) rounded down to float32) then has
+   z_j <= f - (candidate_margin - 1) (the 1e-9: z's rounding in double): the full step does not solve over it
+   (f' = -1: the cut at -candidate_margin, no candidate at all). A key certified so for every query row of its
    kv head is never read, and left out of the rows handed to the solver (attend_keys over the kept keys, their
    indices ascending). Every other key is scored exactly by score_keys (the row's maximum among them: its
-   t + E >= s_max >= M). So the certified step hands the solver the same candidates with the same scores, in the
-   same order, as the full step: the same threshold and the same output, bit for bit. A NaN or infinite key or
+   t + E >= s_max >= M). The certified step's floor is the full step's, bit for bit: the level k* that gives f
+   counts the keys above -k* / FLOOR_LEVELS > f, none certified, so the same number; every other level counts
+   at most as many as in the full step (it gives at most f). So the certified step hands the solver the same
+   keys with the same scores, in the same order, as the full step: the same threshold and the same output, bit
+   for bit. A NaN or infinite key or
    query gives a NaN bound, which certifies nothing (the comparisons are written so), and the full step's NaN
    output follows.
 
@@ -587,12 +639,13 @@ static const int8_t *code_block(const hf_sparsemax_params *p, int64_t b, int64_t
     return p->codes + base * p->dim;
 }
 
-/* The cut of a query row whose largest t - E so far is `top` (am1 = alpha - 1): a key with t + E at or below it is
-   no candidate of the row (the certificate, above). top - (candidate_margin + CUT_SLACK) / am1 in double, then
+/* The cut of a query row whose largest t - E so far is `top` (am1 = alpha - 1) at the floor `floor_tau` of tau
+   (NO_FLOOR in the pass): a key with t + E at or below it is not solved over (the certificate, above).
+   top - (candidate_margin - 1 - floor_tau + CUT_SLACK) / am1 in double, then
    the largest float32 at or below it (-inf for am1 <= 0): monotone in top, so the cut of a running maximum never
    exceeds the cut of the final one. */
-static float row_cut(const hf_sparsemax_params *p, double top, double am1) {
-    double cut = am1 > 0.0 ? top - (p->candidate_margin + CUT_SLACK) / am1 : -INFINITY;
+static float row_cut(const hf_sparsemax_params *p, double top, double am1, double floor_tau) {
+    double cut = am1 > 0.0 ? top - (p->candidate_margin - 1.0 - floor_tau + CUT_SLACK) / am1 : -INFINITY;
     float rounded = (float)cut;
     return (double)rounded > cut ? nextafterf(rounded, -INFINITY) : rounded;
 }
@@ -603,9 +656,11 @@ static float row_cut(const hf_sparsemax_params *p, double top, double am1) {
    could not be had (then the caller scores every key). `scores` (rows * keys floats) is scratch.
 
    One pass over the codes: block by block, each row's bounds t - E and U = t + E, its running maximum M' of
-   t - E and the cut of M' (row_cut); a key whose U is at or below its row's cut for every row is certified there
-   and then (M' <= M, so the cut of M' is at most the final cut: the key is certified by the final cut too). The
-   few others (survivors, with their U) are tested again against the final cuts once the pass is over: the keys
+   t - E and the cut of M' at tau >= -1 (row_cut, no floor); a key whose U is at or below its row's cut for every
+   row is certified there and then (M' <= M and f' >= -1, so that cut is at most the final cut: the key is
+   certified by the final cut too). The few others (survivors, with their U and t - E) give each row's floor f'
+   (their largest U is U_max: every key certified in the pass is below the top's U; the keys certified in the
+   pass have z below -1, at no level) and are tested again against the final cuts once the pass is over: the keys
    kept are exactly those some row's final cut does not place above U, as a second pass over every key would
    find. The bounds are computed in float32 (a few roundings of u each, far inside the slack of E above), the
    lanes of a block of codes branch-free (lanes past the keys masked off) so that the compiler vectorises them. */
@@ -616,10 +671,11 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     int16_t *e = malloc(sizeof(int16_t) * rows * dim);
     float *spec = malloc(sizeof(float) * rows * 5); /* per row: scaling s_q, A_q, its cut, R's factor, M' */
     float *ups = malloc(sizeof(float) * rows * CODE_BLOCK); /* a block's U, row by row */
+    float *lows = malloc(sizeof(float) * rows * CODE_BLOCK); /* ... and its t - E */
     int32_t *products = malloc(sizeof(int32_t) * rows * CODE_BLOCK); /* a block's integer products, row by row */
     unsigned char *coded_key = malloc((size_t)keys); /* per survivor: whether it has a code */
-    if (!e || !spec || !ups || !products || !coded_key) {
-        free(e), free(spec), free(ups), free(products), free(coded_key);
+    if (!e || !spec || !ups || !lows || !products || !coded_key) {
+        free(e), free(spec), free(ups), free(lows), free(products), free(coded_key);
         return -1;
     }
     double rho, kappa, u = UNIT_ROUNDOFF;
@@ -630,7 +686,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         for (int64_t d = 0; d < dim; d++) top = fabsf(qi[d]) > top || isnan(qi[d]) ? fabsf(qi[d]) : top;
         float scale = top / 32767.0f;
         if (!(top <= FLT_MAX) || (top > 0.0f && !(scale > 0.0f))) {
-            free(e), free(spec), free(ups), free(products), free(coded_key);
+            free(e), free(spec), free(ups), free(lows), free(products), free(coded_key);
             return -1;
         }
         double norm = 0.0, residual = 0.0;
@@ -666,7 +722,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
                 for (int64_t l = 0; l < CODE_BLOCK; l++) m[l] = l < count ? mask_rows[i][(start + l) * p->m_n] : 0.0f;
             const int32_t *product = products + i * CODE_BLOCK;
             float sc = spec[5 * i], bound = spec[5 * i + 1], reach = spec[5 * i + 3], best = -INFINITY;
-            float *up = ups + i * CODE_BLOCK;
+            float *up = ups + i * CODE_BLOCK, *low = lows + i * CODE_BLOCK;
 #pragma omp simd reduction(max : best)
             for (int64_t l = 0; l < CODE_BLOCK; l++) {
                 float t = sc * scale_k[l] * (float)product[l] + m[l];
@@ -676,12 +732,13 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
                 hi = hi < -FLT_MAX ? -FLT_MAX : hi; /* -inf only where masked (NaN kept) */
                 lo = masked || wild ? -INFINITY : lo;
                 up[l] = masked ? -INFINITY : wild ? INFINITY : hi; /* wild: read and scored exactly */
+                low[l] = lo;
                 best = lo > best ? lo : best;
             }
             if (best > spec[5 * i + 4]) {
                 double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
                 spec[5 * i + 4] = best;
-                spec[5 * i + 2] = row_cut(p, best, alpha - 1.0);
+                spec[5 * i + 2] = row_cut(p, best, alpha - 1.0, NO_FLOOR);
             }
         }
         memset(keep, 0, sizeof keep);
@@ -700,11 +757,25 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
         memcpy(any, keep, sizeof any);
         for (int64_t l = 0; (any[0] | any[1]) && l < count; l++) { /* survivors: kept with their U */
             if (!keep[l]) continue;
-            for (int64_t i = 0; i < rows; i++) scores[i * keys + found] = ups[i * CODE_BLOCK + l];
+            for (int64_t i = 0; i < rows; i++) { /* U in scores, t - E in compact (scratch until the end) */
+                scores[i * keys + found] = ups[i * CODE_BLOCK + l];
+                compact[i * keys + found] = lows[i * CODE_BLOCK + l];
+            }
             coded_key[found] = !isnan(scale_k[l]);
             certified -= coded_key[found];
             kept[found++] = start + l;
         }
+    }
+    for (int64_t i = 0; i < rows; i++) { /* each row's final cut, at the floor of the survivors' bounds */
+        double alpha = p->alphas ? (double)p->alphas[h * (rows / p->q_rows) + i / p->q_rows] : p->fixed_alpha;
+        float reach = -INFINITY; /* the largest U: at or above the row's largest score */
+        for (int64_t k = 0; k < found; k++) reach = scores[i * keys + k] > reach ? scores[i * keys + k] : reach;
+        int64_t level[FLOOR_LEVELS + 1] = {0};
+        for (int64_t k = 0; found && reach < INFINITY && k < found; k++) {
+            double z = ((double)compact[i * keys + k] - (double)reach) * (alpha - 1.0); /* <= the key's z */
+            if (z > NO_FLOOR) level[floor_level(z)]++;
+        }
+        spec[5 * i + 2] = row_cut(p, spec[5 * i + 4], alpha - 1.0, tau_floor(level, alpha));
     }
     int64_t held = 0; /* the survivors against the final cuts (ascending, compacted in place) */
     for (int64_t k = 0; k < found; k++) {
@@ -718,7 +789,7 @@ static int64_t certified_scores(const hf_sparsemax_params *p, int64_t b, int64_t
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < found; k++) compact[i * found + k] = scores[i * keys + kept[k]];
     *n = found;
-    free(e), free(spec), free(ups), free(products), free(coded_key);
+    free(e), free(spec), free(ups), free(lows), free(products), free(coded_key);
     return certified;
 }
 
