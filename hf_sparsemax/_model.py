@@ -32,6 +32,12 @@ def base_model(model) -> nn.Module:
     return inner
 
 
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache by (a transformers model, peft unwrapped): ``cache`` from
+    transformers 5.24 (which deprecates ``past_key_values``), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(type(base_model(model)).forward).parameters else "past_key_values"
+
+
 def loss_type(model) -> str:
     """The loss type whose loss ``model.loss_function`` computes: ``model.loss_type``, or ``"ForCausalLM"`` where
     that is None or unknown to transformers (its own fallback: GPT-2's ``GPT2LMHeadModel``, BERT's

@@ -99,6 +99,29 @@ def test_the_passkey_prompt_has_the_context_and_the_needle_at_its_depth():
         lc.passkey_prompt(tokenizer, 150, 0.5, 12345)
 
 
+def test_the_cache_goes_by_the_keyword_the_model_takes_and_warns_nothing(model):
+    """transformers 5.24 renames a forward's ``past_key_values`` to ``cache`` (the old name warns, and goes in
+    5.40); a model whose forward knows only ``past_key_values`` (transformers before 5.24) gets that."""
+    import inspect
+    import warnings
+
+    from hf_sparsemax._model import cache_keyword
+
+    takes = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert cache_keyword(model) == takes
+
+    class Older(LlamaForCausalLM):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids=input_ids, **{takes: past_key_values}, **kwargs)
+
+    assert cache_keyword(Older(model.config)) == "past_key_values"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        lc.forward_document(model, torch.arange(1, 60), zeros_length=20)
+        lc.greedy(model, list(range(1, 40)), steps=3)
+        lc.SharedPrefix(model).grown_to(list(range(1, 30)))
+
+
 @pytest.mark.parametrize("attn", ["softmax", "entmax15"])
 def test_the_shared_prefix_gives_each_prompt_its_own_prefill(model, attn):
     """Cells taken by increasing prefix, each from a copy of the shared cache: the answer logits of the whole

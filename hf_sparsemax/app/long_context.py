@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._model import base_model
+from .._model import base_model, cache_keyword
 from .recipes import LongSpec, RecipeError, long_spec  # noqa: F401  (long_spec: the spec's parser, with the recipe's)
 from .runner import timed
 
@@ -146,7 +146,7 @@ def forward_document(model, ids: torch.Tensor, rope_factor: float | None = None,
         cache = DynamicCache(config=inner.config) if first else None
         if first:
             with returning_weights(model):
-                out = inner.model(input_ids=ids[None, :first], past_key_values=cache, use_cache=True,
+                out = inner.model(input_ids=ids[None, :first], **{cache_keyword(inner): cache}, use_cache=True,
                                   output_attentions=True)
             allowed = allowed_cells(torch.ones(1, first, dtype=torch.long, device=ids.device), first)
             zeros = sum(float((w[allowed.expand_as(w)] == 0).sum()) for w in out.attentions)
@@ -154,7 +154,7 @@ def forward_document(model, ids: torch.Tensor, rope_factor: float | None = None,
             hidden.append(out.last_hidden_state[0])
             del out
         if first < ids.numel():
-            hidden.append(inner.model(input_ids=ids[None, first:], past_key_values=cache,
+            hidden.append(inner.model(input_ids=ids[None, first:], **{cache_keyword(inner): cache},
                                       use_cache=cache is not None).last_hidden_state[0])
         hidden = torch.cat(hidden)
         head = inner.get_output_embeddings()
@@ -240,7 +240,8 @@ def sdpa_attention(model):
 
 def step(model, token: torch.Tensor, cache) -> torch.Tensor:
     """One greedy decoding step: the next token ``[1, 1]``."""
-    return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    out = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True)
+    return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 @contextlib.contextmanager
@@ -270,7 +271,7 @@ def greedy(model, prompt: list[int], steps: int, timed: int = 0, cache=None,
     fed = cache.get_seq_length()
     if not 0 <= fed < len(prompt):
         raise ValueError(f"the cache holds {fed} tokens of a prompt of {len(prompt)}: nothing left to feed")
-    out = model(input_ids=torch.tensor([prompt[fed:]], device=inner.device), past_key_values=cache,
+    out = model(input_ids=torch.tensor([prompt[fed:]], device=inner.device), **{cache_keyword(model): cache},
                 use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [int(token)]
@@ -315,7 +316,8 @@ class SharedPrefix:
             raise ValueError("passkey prefixes must be taken in increasing order, each extending the last")
         if len(prefix) > len(self.ids):
             device = base_model(self.model).device
-            self.model(input_ids=torch.tensor([prefix[len(self.ids):]], device=device), past_key_values=self.cache,
+            fed = torch.tensor([prefix[len(self.ids):]], device=device)
+            self.model(input_ids=fed, **{cache_keyword(self.model): self.cache},
                        use_cache=True, logits_to_keep=1)
             self.ids = list(prefix)
         return copy.deepcopy(self.cache)
