@@ -283,3 +283,32 @@ def test_a_no_grad_prefill_s_blocks_by_the_kernel_give_the_exact_weights(setup, 
         reference = reference_weights(module, setup, q, k, mask)
         assert ((out == 0) == (reference == 0)).all(), name
         torch.testing.assert_close(out.double(), reference, rtol=2e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture
+def without_the_floor(monkeypatch):
+    """The kernel built with one level (tau's floor -1 for every row: fused.c tau_floor), Newton for every row."""
+    monkeypatch.setattr(kernel, "FLOOR_LEVELS", 1)
+    monkeypatch.setattr(kernel, "SORT_BELOW", 0)
+    kernel.library.cache_clear()
+    yield
+    kernel.library.cache_clear()
+
+
+@pytest.mark.parametrize("alpha", [1.5, 1.7])
+def test_newtons_method_does_not_cycle_between_the_bracket_ends(alpha, without_the_floor):
+    """Rows of a trained model's kind (the converted SmolLM2 at 4k-8k tokens): the top key, a few keys within 0.4 of
+    it, a crowd just above -1. From tau = -1 Halley's step overshoots to just under the top; Newton's step from
+    there, with only the top key left, lands on -1 exactly. A proposal was taken on the bracket's end it came from,
+    so tau went -1, ~0, -1, ... to max_iter and came back -1 (weights summing to ~40: rows of 3 of the 8192
+    positions' forward were such). Each row's weights are the formula's to rounding."""
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        n = int(torch.randint(100, 400, (1,), generator=g))
+        near = int(torch.randint(5, 60, (1,), generator=g))
+        z = torch.cat([torch.zeros(1), -0.04 - 0.35 * torch.rand(near, generator=g),
+                       -1 + 0.15 * torch.rand(n - near - 1, generator=g)])
+        scores = (z / (alpha - 1)).float()[None, None, None].contiguous()
+        weights = kernel.block_rows(scores, torch.eye(n)[None, None], slice(0, n), alpha)[0, 0, 0].double()
+        reference = hs.entmax_bisect(scores.double()[0, 0, 0], alpha=alpha, dim=-1, n_iter=200)
+        torch.testing.assert_close(weights, reference, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")

@@ -207,8 +207,9 @@ static double tau_floor(const int64_t *level, double alpha) {
     for (int64_t k = 1; k < FLOOR_LEVELS; k++) {
         n += level[k];
         if (n == 0) continue;
-        double bound = -(double)k / (double)FLOOR_LEVELS -
-                       (alpha == 2.0 ? 1.0 / (double)n : alpha == 1.5 ? 1.0 / sqrt((double)n) : pow((double)n, 1.0 - alpha));
+        double count = (double)n, share = alpha == 2.0 ? 1.0 / count
+                                          : alpha == 1.5 ? 1.0 / sqrt(count) : pow(count, 1.0 - alpha);
+        double bound = -(double)k / (double)FLOOR_LEVELS - share;
         best = bound > best ? bound : best;
     }
     return best;
@@ -216,10 +217,11 @@ static double tau_floor(const int64_t *level, double alpha) {
 
 /* tau of candidates in any order, any alpha in (1, 2]: Halley's method (Newton's where its correction is large) on
    the convex, decreasing h(tau) = F ** (alpha - 1) - 1, F = sum relu(z - tau) ** beta, from tau = start (at or
-   below the root: -1 or the candidates' floor less its margin; h >= 0 there), inside the bracket [lo, hi] (a bisection step where a step leaves it), until a step moves tau by at
-   most p->tolerance, at most p->max_iter steps (the eager solver's rule and cap). With S1, S2 of power_sums,
-   h' = -F ** (alpha - 2) S1 and h'' = (beta - 1) F ** (alpha - 3) (F S2 - S1^2) >= 0 (Cauchy-Schwarz), so
-   Halley's step is Newton's, h F ** (2 - alpha) / S1 = h (F / norm) / S1, divided by 1 - b with
+   below the root: -1 or the candidates' floor less its margin; h >= 0 there), inside the bracket [lo, hi] (a
+   bisection step where a step does not land strictly inside it, unless it moves tau by at most the tolerance),
+   until a step moves tau by at most p->tolerance, at most p->max_iter steps (the eager solver's rule and cap).
+   With S1, S2 of power_sums, h' = -F ** (alpha - 2) S1 and h'' = (beta - 1) F ** (alpha - 3) (F S2 - S1^2) >= 0
+   (Cauchy-Schwarz), so Halley's step is Newton's, h F ** (2 - alpha) / S1 = h (F / norm) / S1, divided by 1 - b with
    b = h h'' / (2 h'^2) = h (beta - 1) (F S2 / S1^2 - 1) / (2 norm): used where |b| < 1/2. For sparsemax (beta = 1,
    b = 0) this is Michelot's algorithm. Every later tau lies in [lo, hi], so a candidate at or below lo adds 0 to
    every later sum: once a pass finds h > 0 (lo = tau), the candidates at or below tau are dropped (the *n kept
@@ -249,7 +251,10 @@ static double newton(candidate *c, int64_t *count, double alpha, double start, c
             double newton_step = h * (total / norm) / slope;
             double bend = h * (beta - 1.0) * (total * sums[2] / (slope * slope) - 1.0) / (2.0 * norm);
             double proposal = tau + (bend < 0.5 && bend > -0.5 ? newton_step / (1.0 - bend) : newton_step);
-            if (proposal >= lo && proposal <= hi) step = proposal;
+            /* strictly inside the bracket, or a converging step: a proposal back at the end the iterate left
+               (Halley's step from -1 overshooting to just under the top, Newton's from there landing on -1 exactly
+               where only the top key is left) would cycle between the two to max_iter */
+            if ((proposal > lo && proposal < hi) || fabs(proposal - tau) <= p->tolerance) step = proposal;
         }
         int converged = fabs(step - tau) <= p->tolerance;
         tau = step;
