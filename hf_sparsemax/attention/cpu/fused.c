@@ -205,8 +205,8 @@ static double tau_floor(const int64_t *level, double alpha) {
     double best = NO_FLOOR;
     int64_t n = 0;
     for (int64_t k = 1; k < FLOOR_LEVELS; k++) {
+        if (level[k] == 0) continue; /* the same count as the level before, at a lower level: a lower bound */
         n += level[k];
-        if (n == 0) continue;
         double count = (double)n, share = alpha == 2.0 ? 1.0 / count
                                           : alpha == 1.5 ? 1.0 / sqrt(count) : pow(count, 1.0 - alpha);
         double bound = -(double)k / (double)FLOOR_LEVELS - share;
