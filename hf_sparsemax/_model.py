@@ -9,6 +9,7 @@ swap of this library is undoable). Kept apart from ``patch.py`` and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -35,7 +36,13 @@ def base_model(model) -> nn.Module:
 def cache_keyword(model) -> str:
     """The keyword ``model``'s forward takes its cache by (a transformers model, peft unwrapped): ``cache`` from
     transformers 5.24 (which deprecates ``past_key_values``), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(type(base_model(model)).forward).parameters else "past_key_values"
+    return _cache_keyword(type(base_model(model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
+    """:func:`cache_keyword` of a model class (read once a class: it is asked at every decoding step)."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def loss_type(model) -> str:
