@@ -39,4 +39,5 @@ if __name__ == "__main__":
     if rank == 0:
         with open(sys.argv[1], "w") as handle:
             json.dump({"loss": loss.item() / world, "params": params.tolist()}, handle)
+    dist.barrier()  # both ranks past rank 0's write: a rank tearing gloo down while its peer still works can abort
     dist.destroy_process_group()

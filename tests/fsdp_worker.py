@@ -50,4 +50,5 @@ if __name__ == "__main__":
         with open(sys.argv[1], "w") as handle:
             json.dump({"loss": loss.item() / world, "params": params, "local_alpha_shapes": local,
                        "kind": type(sharded).__name__}, handle)
+    dist.barrier()  # both ranks past rank 0's write: a rank tearing gloo down while its peer still works can abort
     dist.destroy_process_group()
