@@ -185,6 +185,31 @@ def test_the_teacher_is_softmax_with_the_adapter_off():
     assert not torch.allclose(student[0], unpatched[0], atol=1e-3)
 
 
+def test_the_teacher_gives_back_what_the_schedule_froze_so_a_recomputed_backward_runs():
+    """On the ramp the learned alphas are frozen at alpha 1.01 (off the threshold path: query blocks recomputed in
+    the backward); peft's adapter switch in the teacher's pass sets its trainable copies' requires_grad on the way
+    out. Given back frozen, the backward recomputes the blocks as the forward ran them and the alphas get no
+    gradient (before: torch.utils.checkpoint's CheckpointError, "Recomputed values ... different metadata")."""
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+    model = hs.patch_model(get_peft_model(tiny_llama(), config), attn="entmax_bisect",
+                           attn_options={"alpha": 1.5, "learn_alpha": True, "chunk_size": 4}).train()
+    learned = [m for m in model.modules() if isinstance(m, LearnedAlpha)]
+    assert any(m.pre_alpha.requires_grad for m in learned)  # peft's trainable copies
+    callback = hs.AlphaScheduleCallback(share=0.5, start=1.01)
+    callback.on_train_begin(None, state(0, 10), None, model=model)  # step 0: every alpha frozen at 1.01
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    assert not any(m.pre_alpha.requires_grad for m in learned)
+    distill, inputs = hs.SelfDistillation(), batch()
+    with distill.student(model) as outputs:
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+    term = distill.term(model, inputs, outputs)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    (loss + term).backward()
+    assert all(m.pre_alpha.grad is None for m in learned)
+    assert all(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
+
+
 def test_the_term_is_the_relative_error_and_its_gradient_treats_the_teacher_as_constant():
     model, inputs = peft_model(tiny_llama()), batch()
     distill = hs.SelfDistillation(weight=2.0)

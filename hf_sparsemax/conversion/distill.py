@@ -63,7 +63,9 @@ def captured_outputs(model):
 @contextlib.contextmanager
 def teacher_mode(model):
     """The model as its own teacher while the block runs: adapter disabled, softmax attention, eval mode, no
-    gradient; everything given back after."""
+    gradient; everything given back after, each parameter's ``requires_grad`` included (peft's adapter switch
+    sets its trainable copies' to True on the way out, which would unfreeze what the alpha schedule froze between
+    a student's forward and its backward: a query block recomputed in the backward would then differ from it)."""
     inner = base_model(model)
     if not callable(getattr(model, "disable_adapter", None)):
         raise ValueError("self-distillation needs a peft model: the teacher is the frozen base weights with the "
@@ -72,6 +74,7 @@ def teacher_mode(model):
     if current not in ATTENTION_MAPPINGS:
         raise ValueError(f"self-distillation trains a sparse attention; this model's attention is {current!r}: "
                          "patch it first (hs.patch_model(model, attn='entmax15'))")
+    frozen = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
     set_attention(inner, softmax_implementation(inner))
     model.eval()
     try:
@@ -80,6 +83,8 @@ def teacher_mode(model):
     finally:
         set_attention(inner, current)
         model.train(was_training)
+        for parameter, grad in frozen:
+            parameter.requires_grad_(grad)
 
 
 def relative_error(student: list[torch.Tensor], teacher: list[torch.Tensor], mask: torch.Tensor | None):
