@@ -74,7 +74,7 @@ def teacher_mode(model):
     if current not in ATTENTION_MAPPINGS:
         raise ValueError(f"self-distillation trains a sparse attention; this model's attention is {current!r}: "
                          "patch it first (hs.patch_model(model, attn='entmax15'))")
-    frozen = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    trainable = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
     set_attention(inner, softmax_implementation(inner))
     model.eval()
     try:
@@ -83,7 +83,7 @@ def teacher_mode(model):
     finally:
         set_attention(inner, current)
         model.train(was_training)
-        for parameter, grad in frozen:
+        for parameter, grad in trainable:
             parameter.requires_grad_(grad)
 
 
