@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 import os
 import typing
@@ -535,9 +536,10 @@ def register_attention() -> None:
 
 
 def routes_attention(module_type: type) -> bool:
-    """Whether a module class's forward calls transformers' attention interface."""
+    """Whether a module class's forward calls transformers' attention interface (read through every decorator:
+    transformers 5.25 wraps the attention forwards twice, a kernel hook around ``deprecate_kwarg``)."""
     forward = getattr(module_type, "forward", None)
-    code = getattr(getattr(forward, "__wrapped__", forward), "__code__", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
     return code is not None and INTERFACE_NAME in code.co_names
 
 
