@@ -5,6 +5,7 @@ import torch
 import transformers
 from transformers import AttentionInterface, GPTJConfig, GPTJForCausalLM, FalconConfig, FalconForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_sparsemax as hs
 from hf_sparsemax.attention import interface as attention
@@ -395,3 +396,29 @@ def test_half_precision_models(dtype):
     assert all(torch.allclose(s, torch.ones_like(s), atol=1e-2) for s in live)
     mask = inputs["attention_mask"].bool()
     torch.testing.assert_close(output.logits.float()[mask], reference[mask], rtol=0.05, atol=0.05)
+
+
+def test_an_attention_forward_is_found_under_several_decorators():
+    """transformers 5.25 wraps attention forwards in ``deprecate_kwarg``, whose ``__wrapped__`` is a wrapper
+    again: the check that a module calls the attention interface reads the innermost function."""
+    import functools
+
+    def wrapper(function):
+        @functools.wraps(function)
+        def wrapped(*args, **kwargs):
+            return function(*args, **kwargs)
+        return wrapped
+
+    class Routed(torch.nn.Module):
+        @wrapper
+        @wrapper
+        def forward(self, x):
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](self, x, x, x, None)
+
+    class Plain(torch.nn.Module):
+        @wrapper
+        @wrapper
+        def forward(self, x):
+            return torch.softmax(x, -1)
+
+    assert attention.routes_attention(Routed) and not attention.routes_attention(Plain)
