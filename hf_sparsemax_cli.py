@@ -20,12 +20,14 @@ renamed when complete; --resume continues an interrupted run from its last
 checkpoint. One run per output folder at a time (a second is refused at once,
 naming the other's pid). Bad input exits with code 2 and one line saying what
 to fix, before any model loads where it can be checked without one.
-Distributed: accelerate launch --num_processes 2 -m hf_sparsemax.app.cli train ...
+Distributed: accelerate launch --num_processes 2 -m hf_sparsemax_cli train ...
 
 This module is the command's entry point and its argument parser, kept apart from the ``hf_sparsemax``
 package on purpose: importing any part of the package imports torch and transformers (5-8 s), so parsing the
 arguments here first lets ``--help`` and argument errors answer at once; the command that runs then imports
-:mod:`hf_sparsemax.app.cli`, which does the work.
+:mod:`hf_sparsemax.app.cli`, which does the work. The package never imports this module (its import graph has
+no circle: tests/test_layout.py checks it), so the parser's few facts about the package (where the shipped
+recipes are) are found here again, without importing it; tests/test_cli.py checks they agree.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import sys
 
 def recipe_dir(package_dir: str) -> str:
     """The shipped recipes of the ``hf_sparsemax`` package in ``package_dir``: the data package
-    ``hf_sparsemax.app.recipes`` of an installed wheel, else ``recipes/`` at the top of a source checkout."""
+    ``hf_sparsemax.app.recipes`` of an installed wheel, else ``recipes/`` at the top of a source checkout
+    (``hf_sparsemax.app.recipes.recipe_dir``, found here without importing the package)."""
     installed = os.path.join(package_dir, "app", "recipes")
     checkout = os.path.join(package_dir, os.pardir, "recipes")
     return installed if os.path.isdir(installed) else os.path.normpath(checkout)
@@ -156,9 +159,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line (``--help`` and usage errors exit here, exit code 0 / 2); what follows ``--``
     goes to ``vllm serve`` as ``vllm_args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command_line = ["hf-sparsemax", *argv]
     argv, vllm_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = build_parser(loss_names() if "decoding-report" in argv else None).parse_args(argv)
     args.vllm_args = vllm_args
+    args.command_line = command_line  # as typed (a benchmark's JSON file records it)
     return args
 
 

@@ -105,7 +105,7 @@ def test_a_busy_folder_is_refused_at_once_and_a_killed_run_never_blocks(tiny_lla
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "hf_sparsemax.app.cli", "train", recipe, "--variant", "top3",
+        first = subprocess.Popen([sys.executable, "-m", "hf_sparsemax_cli", "train", recipe, "--variant", "top3",
                                   "--output", str(out), "--set", "training.max_steps=100000"],
                                  env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -52,7 +52,7 @@ def test_a_full_disk_gives_one_line_and_leaves_nothing_behind(tiny_recipe, tmp_p
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
 
-    done = subprocess.run([sys.executable, "-m", "hf_sparsemax.app.cli", "train", tiny_recipe, "--variant", "top3",
+    done = subprocess.run([sys.executable, "-m", "hf_sparsemax_cli", "train", tiny_recipe, "--variant", "top3",
                            "--output", str(tmp_path / "out")], env=cli_env(), preexec_fn=full_disk,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -101,7 +101,7 @@ def default_sigint():
 def test_sigint_stops_with_one_line_releases_the_lock_and_keeps_only_what_resume_can_use(tiny_recipe, tmp_path,
                                                                                          checkpoint):
     out = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "-m", "hf_sparsemax.app.cli", "train", tiny_recipe, "--variant", "top3",
+    run = subprocess.Popen([sys.executable, "-m", "hf_sparsemax_cli", "train", tiny_recipe, "--variant", "top3",
                             "--output", str(out), "--set", "training.max_steps=100000", "--set",
                             "training.save_steps=5"], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, preexec_fn=default_sigint)

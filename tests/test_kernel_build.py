@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from hf_sparsemax.app import cli
+import hf_sparsemax_cli as cli
 from hf_sparsemax.attention.cpu import fused, kernel_build
 
 pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the kernel is not built here")

@@ -84,17 +84,23 @@ def module_name(path):
     return name.removesuffix(".__init__")
 
 
-def test_library_modules_import_no_cycle():
-    """No cycle among the package's imports (the app's included), lazy ones (inside functions) too.
+def shipped_modules():
+    """Module name -> file of every module the wheel ships: the package's, and the top-level modules beside it
+    (pyproject's ``py-modules``: the console script's parser)."""
+    import tomllib
 
-    Sub-package ``__init__`` files (``mappings``, ``swaps``) are modules like any other, so an import through
-    one counts; only the top-level ``hf_sparsemax/__init__.py`` (the public names, which import everything) is
-    left out.
-    """
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        top_level = tomllib.load(handle)["tool"]["setuptools"].get("py-modules", [])
     modules = {module_name(os.path.join(folder, f)): os.path.join(folder, f)
                for folder, _, files in os.walk(PACKAGE) for f in files if f.endswith(".py")}
-    package_inits = {"hf_sparsemax"}
-    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and m not in package_inits}
+    modules.update({name: os.path.join(ROOT, f"{name}.py") for name in top_level})
+    return modules
+
+
+def import_cycles(modules, package_inits=frozenset({"hf_sparsemax"})):
+    """Each module that an import chain (lazy imports inside functions too) leads back to, with the chain."""
+    graph = {name: {m for m in imported_modules(path, package=None if "." in name else name)
+                    if m in modules and m != name and m not in package_inits}
              for name, path in modules.items()}
 
     def cycle_from(start):
@@ -109,8 +115,32 @@ def test_library_modules_import_no_cycle():
                     stack.append((nxt, trail + [nxt]))
         return None
 
-    cycles = [c for name in sorted(modules) if name not in package_inits and (c := cycle_from(name))]
-    assert cycles == []
+    return [c for name in sorted(modules) if name not in package_inits and (c := cycle_from(name))]
+
+
+def test_library_modules_import_no_cycle():
+    """No cycle among the package's imports (the app's included) and the top-level modules it ships (the console
+    script's parser imports the app to run a command; nothing in the package imports it back), lazy ones (inside
+    functions) too.
+
+    Sub-package ``__init__`` files (``mappings``, ``swaps``) are modules like any other, so an import through
+    one counts; only the top-level ``hf_sparsemax/__init__.py`` (the public names, which import everything) is
+    left out.
+    """
+    modules = shipped_modules()
+    assert "hf_sparsemax_cli" in modules
+    assert import_cycles(modules) == []
+
+
+def test_the_cycle_check_sees_the_package_importing_the_console(tmp_path):
+    """The check above can fail: an app module that imports the console script's parser (which imports the app's
+    command runner) closes a circle."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def names():\n    from hf_sparsemax_cli import RECIPE_COMMANDS\n    return RECIPE_COMMANDS\n")
+    modules = shipped_modules()
+    modules["hf_sparsemax.app.cli"] = str(probe)  # stands in for the command runner
+    (cycle,) = {tuple(c) for c in import_cycles(modules) if c[0] == "hf_sparsemax_cli"}
+    assert cycle == ("hf_sparsemax_cli", "hf_sparsemax.app.cli", "hf_sparsemax_cli")
 
 
 def test_every_package_ships_and_the_recipes_have_one_copy_at_the_top_level():

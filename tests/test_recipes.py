@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Trainer)
 
+import hf_sparsemax_cli as console
 from hf_sparsemax.app import cli, report, runner
 from hf_sparsemax.app.recipes import RECIPE_DIR, RecipeError, load_recipe
 
@@ -74,7 +75,7 @@ def write_recipe(tmp_path, model, **changes):
 
 
 def run(*argv):
-    return cli.main([str(a) for a in argv])
+    return console.main([str(a) for a in argv])
 
 
 def refuse(name):
@@ -314,7 +315,7 @@ def test_two_processes_give_the_losses_of_one(tiny_llama, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax.app.cli"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_sparsemax_cli"]
     done = subprocess.run([*launch, *map(str, common), "--output", str(tmp_path / "two"),
                            "--set", "training.per_device_train_batch_size=2"], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -138,7 +138,7 @@ def test_the_swap_points_read_the_registry():
 
 
 def test_cli_lists_the_registered_losses(capsys):
-    from hf_sparsemax.app import cli
+    import hf_sparsemax_cli as cli
 
     with pytest.raises(SystemExit):
         cli.main(["decoding-report", "--help"])

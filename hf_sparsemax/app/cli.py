@@ -2,7 +2,9 @@
 
 The command line itself (its help, its parser, the console script's ``main``) is the top-level module
 :mod:`hf_sparsemax_cli`, which imports nothing heavy, so that ``--help`` and argument errors answer at once;
-``main`` here parses with it and runs (``python -m hf_sparsemax.app.cli``, as ``accelerate launch`` needs).
+its ``main`` parses, then calls :func:`run` here. The package never imports that module (the import graph keeps
+one direction: console -> package), so ``python -m hf_sparsemax_cli`` is the command as a module
+(``accelerate launch -m hf_sparsemax_cli train ...``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 import warnings
 
-from hf_sparsemax_cli import RECIPE_COMMANDS, parse
+RECIPE_COMMANDS = ("train", "evaluate", "generate", "compare")  # the console's commands that run a recipe
 
 
 def load_model(spec: str | None):
@@ -124,7 +126,7 @@ def summary(text: str, compared: dict | None) -> None:
 
 
 def run(args) -> int:
-    """Run the parsed command (:func:`hf_sparsemax_cli.parse`); bad input: one line on stderr, exit code 2.
+    """Run the parsed command (``hf_sparsemax_cli.parse``); bad input: one line on stderr, exit code 2.
     A warning is shown once per run, not once per variant (:func:`each_warning_once`)."""
     with each_warning_once():
         return run_command(args)
@@ -169,11 +171,3 @@ def run_command(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the lock is released and unfinished work removed or kept for --resume
         print("hf-sparsemax: interrupted", file=sys.stderr)
         return 130
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(parse(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,12 +29,20 @@ import os
 from typing import Any
 
 import yaml
-from hf_sparsemax_cli import recipe_dir, shipped_recipes as shipped_in
 
 from ..mappings import registry
 from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
+
+
+def recipe_dir(package_dir: str) -> str:
+    """The shipped recipes of the ``hf_sparsemax`` package in ``package_dir``: the data package
+    ``hf_sparsemax.app.recipes`` of an installed wheel, else ``recipes/`` at the top of a source checkout (the
+    console module finds the same folder without importing the package; tests/test_cli.py checks they agree)."""
+    installed = os.path.join(package_dir, "app", "recipes")
+    checkout = os.path.join(package_dir, os.pardir, "recipes")
+    return installed if os.path.isdir(installed) else os.path.normpath(checkout)
 
 
 RECIPE_DIR = recipe_dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shipped recipes
@@ -478,7 +486,9 @@ def check_keys(where: str, data: Any, allowed) -> None:
 
 def shipped_recipes() -> list[str]:
     """Names of the recipes that ship inside the package (``hf-sparsemax compare <name>``)."""
-    return shipped_in(RECIPE_DIR)
+    if not os.path.isdir(RECIPE_DIR):
+        return []
+    return sorted(f.removesuffix(".yaml") for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
 
 
 def resolve_path(spec: str) -> str:
