@@ -8,6 +8,7 @@
     hf-sparsemax decoding-report --loss sparse_softmax --loss-option top_k=10 --prompt "Once upon a time"
     hf-sparsemax serve default --variant entmax15_loss    # vLLM's OpenAI server on 127.0.0.1:8000 (needs vLLM)
     hf-sparsemax build-kernels                            # the CPU attention kernel, built now into its cache
+    hf-sparsemax bench attention --quick                  # sparse attention against sdpa on this machine
 
 A recipe is a YAML file (or the name of a recipe shipped with the package:
 @RECIPES@). Override any field with --set PATH=VALUE (repeatable): PATH is the
@@ -152,7 +153,70 @@ def build_parser(losses: list[str] | None = None) -> OneLineParser:
     commands.add_parser("build-kernels", help="build the CPU attention kernel now (container images, read-only "
                         "homes)", description="Build the CPU attention kernel now into $HF_SPARSEMAX_CACHE "
                         "(default ~/.cache/hf_sparsemax), so that later processes load it.")
+    add_bench_commands(commands)
     return parser
+
+
+BENCH = """Benchmarks a user runs on their own machine: each prints one table of ratios to its reference
+(sdpa, softmax / cross-entropy, vLLM's softmax twin) and writes a JSON file with the numbers and what a reader
+needs to trust them (CPU model and flags or GPU name, torch / transformers versions, threads, dtype, clock,
+load average before and after, the command line). --quick: tiny shapes, under a minute on a 2-core CPU (a
+rehearsal: its ratios mean little)."""
+
+BENCH_COMMANDS = {
+    "attention": "one attention call, training step, prefill and decoding step of each sparse attention against "
+                 "sdpa, over contexts",
+    "generation": "whole-model greedy decoding at a context on each cache (sdpa, sdpa + GrowingCache, the sparse "
+                  "attentions, the no-attention floor): tokens/s and ratios",
+    "serving": "vLLM serving a saved sparse-attention folder against its softmax twin (needs vLLM)",
+    "losses": "the mappings and losses (and the fused head) against softmax / cross-entropy",
+}
+
+
+def add_bench_commands(commands) -> None:
+    """``hf-sparsemax bench <what>``: the parser only (the work is :mod:`hf_sparsemax.app.bench`)."""
+    bench = commands.add_parser("bench", help="benchmark the library against its reference on this machine",
+                                description=BENCH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    whats = bench.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCH_COMMANDS) + "}")
+    subs = {name: whats.add_parser(name, help=text, description=text) for name, text in BENCH_COMMANDS.items()}
+    for name, sub in subs.items():
+        sub.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: under a minute")
+        sub.add_argument("--json", metavar="PATH", help=f"where the results go (default runs/bench/{name}.json)")
+        sub.add_argument("--repeats", type=int, help="timed rounds (interleaved; median)")
+        sub.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # the test suite's smaller --quick
+        if name != "serving":
+            sub.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+            sub.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+            sub.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                             help="wall: elapsed time (on cuda, synchronised); cpu: the process's CPU time, fairer on "
+                                  "a shared, loaded machine with --threads 1")
+    attention, generation, serving, losses = subs.values()
+    attention.add_argument("--contexts", type=int, nargs="+", help="tokens (default 512 2048 8192)")
+    attention.add_argument("--attn", nargs="+", metavar="ATTN",
+                           help="sparse attentions: sparsemax, entmax15, entmax_bisect:ALPHA, learned "
+                                "(entmax_bisect with a learned alpha per head, from 1.3), sparse_softmax:TOP_K "
+                                "(default sparsemax entmax15 entmax_bisect:1.3 learned)")
+    attention.add_argument("--passes", nargs="+", choices=["call", "train", "prefill", "decode"],
+                           help="one attention call (forward), a training step (forward + backward of a 4-layer "
+                                "SmolLM2-shaped model), a prefill and a decoding step (default: all four)")
+    attention.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    attention.add_argument("--model", choices=["smollm2", "random"],
+                           help="prefill / decode: the pretrained SmolLM2-135M-Instruct (default where its offline "
+                                "asset is installed) or SmolLM2's shape with random weights")
+    generation.add_argument("--context", type=int, help="cached tokens (default 8192)")
+    generation.add_argument("--tokens", type=int, help="decoding steps a variant (default 8)")
+    generation.add_argument("--attn", nargs="+", metavar="ATTN",
+                            help="sdpa and sparse attentions, named as for `bench attention` (default sdpa "
+                                 "sparsemax entmax15)")
+    generation.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    generation.add_argument("--model", choices=["smollm2", "random"], help="as for `bench attention`")
+    serving.add_argument("--prompt-tokens", type=int, nargs="+", help="prompt lengths (default 128 2048)")
+    serving.add_argument("--new-tokens", type=int, help="tokens each request decodes (default 64)")
+    serving.add_argument("--batch", type=int, help="requests at once (default 8)")
+    serving.add_argument("--attn", default="entmax15", help="the sparse folder's attention (default entmax15)")
+    losses.add_argument("--vocab", type=int, help="vocabulary of the rows (default 49152, SmolLM2's)")
+    losses.add_argument("--tokens", type=int, help="rows of logits (default 2048)")
+    losses.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -112,7 +112,9 @@ HELP_CPU_SECONDS = 0.3  # the whole process: interpreter start, parser, help (ab
 
 
 @pytest.mark.parametrize("argv, code", [(["--help"], 0), (["compare", "--help"], 0), (["compare"], 2),
-                                        (["compare", "default", "--epochs", "3"], 2), (["train", "x", "--seeds"], 2)])
+                                        (["compare", "default", "--epochs", "3"], 2), (["train", "x", "--seeds"], 2),
+                                        (["bench", "--help"], 0), (["bench", "attention", "--help"], 0),
+                                        (["bench", "losses", "--vocab", "many"], 2), (["bench"], 2)])
 def test_help_and_argument_errors_import_no_heavy_package(argv, code):
     """The console script (pyproject's entry point) answers --help and usage errors before importing torch,
     transformers or hf_sparsemax (5-8 s of imports), so they come at once: in well under 0.3 s of CPU time for
@@ -126,6 +128,15 @@ def test_help_and_argument_errors_import_no_heavy_package(argv, code):
     *_, said, cpu = done.stderr.strip().splitlines()
     assert said == f"exit {code} imported []", done.stderr[-2000:]
     assert float(cpu.split()[1]) < HELP_CPU_SECONDS, cpu
+
+
+def test_bench_help_lists_its_subcommands(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "{attention,generation,serving,losses}" in text
+    assert all(f"\n    {name} " in text for name in ("attention", "generation", "serving", "losses"))
 
 
 def test_help_names_every_shipped_recipe(capsys):

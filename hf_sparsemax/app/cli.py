@@ -160,6 +160,10 @@ def run_command(args) -> int:
             return recipe_command(args)
         if args.command == "serve":
             return serve_cli(args)
+        if args.command == "bench":
+            from . import bench
+
+            return bench.run(args)
         if args.command == "build-kernels":
             from ..attention.cpu import fused
 

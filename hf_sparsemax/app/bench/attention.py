@@ -1,0 +1,195 @@
+"""``hf-sparsemax bench attention``: each sparse attention against sdpa, at each context, four passes.
+
+- ``call``: one attention call, forward without autograd (as in a prefill), on random queries, keys and values
+  of SmolLM2-135M's heads (9 query heads, 3 KV heads, dimension 64; scores ~ N(0, 1)), causal, batch 1: sdpa is
+  transformers' sdpa function, the sparse attentions the function the patched model calls;
+- ``train``: one training step (forward and backward of the causal-LM loss) of a 4-layer SmolLM2-shaped Llama
+  with random weights, batch 1;
+- ``prefill``: one forward over the prompt (fortunes text where the offline SmolLM2 asset is installed) into a
+  fresh ``DynamicCache``, under ``no_grad``, of the pretrained SmolLM2-135M-Instruct (``--model random``: its
+  shape with random weights, whose near-uniform scores give the sparse attentions wide supports);
+- ``decode``: a greedy decoding step (one token) from that cache.
+
+Each contender is its own copy of the model; every number is the median of interleaved rounds (every contender
+once a round, after a warm-up round); the table shows sdpa's milliseconds and each sparse attention's time as a
+multiple of sdpa's. AdaSplash (``adasplash``, entmax 1.5) joins the ``call`` pass under ``--device cuda`` where
+it is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from . import timing
+
+DEFAULT_ATTN = ["sparsemax", "entmax15", "entmax_bisect:1.3", "learned"]
+PASSES = ["call", "train", "prefill", "decode"]
+TRAIN_LAYERS = 4
+
+
+def settings(args) -> dict:
+    """The run's sizes: ``--quick`` (and the test suite's smaller ``--smoke``) shrink the defaults."""
+    small = args.quick or args.smoke
+    return {
+        "contexts": args.contexts or ([32] if args.smoke else [128, 256] if small else [512, 2048, 8192]),
+        "attn": args.attn or DEFAULT_ATTN,
+        "passes": args.passes or PASSES,
+        "repeats": args.repeats or (1 if args.smoke else 2 if small else 3),
+        "decode_steps": 2 if args.smoke else 4 if small else 8,
+    }
+
+
+def contenders(names: list[str]) -> dict[str, tuple[str, dict | None]]:
+    found = {"sdpa": ("sdpa", None)}
+    found.update({name: timing.attention_spec(name) for name in names if name != "sdpa"})
+    return found
+
+
+def models(base, specs: dict, device: torch.device, train: bool) -> dict:
+    """One copy of ``base`` a contender, with its attention."""
+    out = {}
+    for name, (attention, options) in specs.items():
+        model = timing.with_attention(copy.deepcopy(base), attention, options).to(device)
+        out[name] = model.train(train)
+    return out
+
+
+def call_pass(specs, context, dtype, device, read, repeats, tiny) -> dict[str, float]:
+    """Milliseconds of one attention call of each contender (forward, no autograd)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    held = models(timing.smollm2_shaped(1, tiny=tiny).to(dtype), specs, device, train=False)
+    config = next(iter(held.values())).config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    generator = torch.Generator().manual_seed(context)
+    q = torch.randn(1, heads, context, dim, generator=generator).to(device, dtype)
+    k, v = (torch.randn(1, kv_heads, context, dim, generator=generator).to(device, dtype) for _ in range(2))
+    fns = {}
+    for name, model in held.items():
+        module = model.model.layers[0].self_attn
+        function = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+
+        def call(function=function, module=module):
+            with torch.no_grad():
+                function(module, q, k, v, None, scaling=dim ** -0.5, dropout=0.0)
+
+        fns[name] = call
+    if device.type == "cuda" and not tiny:
+        fns.update(adasplash_call(q, k, v))
+    return timing.interleaved(fns, repeats, read)
+
+
+def adasplash_call(q, k, v) -> dict:
+    """AdaSplash's entmax 1.5 attention, causal, where the package is installed (keys and values repeated to the
+    query heads); nothing otherwise."""
+    try:
+        import adasplash
+    except ImportError:
+        return {}
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+
+    def call():
+        with torch.no_grad():
+            adasplash.adasplash(q, k, v, alpha=1.5, is_causal=True)
+
+    return {"AdaSplash (entmax15)": call}
+
+
+def train_pass(specs, context, dtype, device, read, repeats, tiny) -> dict[str, float]:
+    """Milliseconds of one training step of each contender (forward + backward, batch 1)."""
+    base = timing.smollm2_shaped(2 if tiny else TRAIN_LAYERS, tiny=tiny).to(dtype)
+    held = models(base, specs, device, train=True)
+    ids = torch.randint(0, base.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
+    ids = ids.to(device)
+
+    def step(model):
+        def once():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return once
+
+    return timing.interleaved({name: step(model) for name, model in held.items()}, repeats, read)
+
+
+def inference_passes(specs, contexts, dtype, device, read, repeats, steps, args, passes) -> tuple[dict, str]:
+    """``{(pass, context): {contender: ms}}`` of the prefill and the decoding step, and the model's description."""
+    from transformers import DynamicCache
+
+    base, described = timing.base_model(getattr(args, "model", None), args.quick or args.smoke, dtype)
+    held = models(base.eval(), specs, device, train=False)
+    keyword = timing.cache_keyword(base)
+    del base
+    found = {}
+    for context in contexts:
+        ids = timing.text_ids(context, held["sdpa"].config.vocab_size, seed=context).to(device)
+        state = {}
+
+        def prefill(name, model):
+            def once():
+                with torch.no_grad():
+                    out = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                                **{keyword: DynamicCache(config=model.config)})
+                state[name] = [timing.cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)]
+            return once
+
+        prefills = {name: prefill(name, model) for name, model in held.items()}
+        if "prefill" in passes:
+            found[("prefill", context)] = timing.interleaved(prefills, repeats, read)
+        else:
+            for once in prefills.values():
+                once()
+        if "decode" in passes:
+            def decode(name, model):
+                def once():
+                    cache, token = state[name]
+                    with torch.no_grad():
+                        out = model(input_ids=token, use_cache=True, **{keyword: cache})
+                    state[name][1] = out.logits[:, -1].argmax(-1, keepdim=True)
+                return once
+
+            found[("decode", context)] = timing.interleaved({name: decode(name, model) for name, model in
+                                                             held.items()}, max(steps, repeats), read)
+        state.clear()
+    return found, described
+
+
+def run(args) -> dict:
+    device, read = timing.setup(args)
+    dtype = timing.DTYPES[args.dtype]
+    plan = settings(args)
+    specs = contenders(plan["attn"])
+    setting = timing.environment(args, device, args.dtype)
+    tiny = args.quick or args.smoke
+    measured = {}
+    for context in plan["contexts"]:
+        if "call" in plan["passes"]:
+            measured[("call", context)] = call_pass(specs, context, dtype, device, read, plan["repeats"], tiny)
+        if "train" in plan["passes"]:
+            measured[("train", context)] = train_pass(specs, context, dtype, device, read, plan["repeats"], tiny)
+    described = None
+    if {"prefill", "decode"} & set(plan["passes"]):
+        found, described = inference_passes(specs, plan["contexts"], dtype, device, read, plan["repeats"],
+                                            plan["decode_steps"], args, plan["passes"])
+        measured.update(found)
+    setting.update(models={"call": "one attention layer of " + ("a tiny Llama" if tiny else "SmolLM2-135M's shape"),
+                           "train": f"{2 if tiny else TRAIN_LAYERS}-layer "
+                                    + ("tiny Llama" if tiny else "SmolLM2-shaped Llama") + ", random weights",
+                           "prefill, decode": described},
+                   repeats=plan["repeats"], decode_steps=plan["decode_steps"], batch=1)
+    extra = sorted({name for times in measured.values() for name in times} - set(specs))
+    names = [name for name in specs if name != "sdpa"] + extra
+    order = {name: i for i, name in enumerate(PASSES)}
+    rows, results = [], []
+    for (step, context), times in sorted(measured.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+        base = times["sdpa"]
+        rows.append([step, context, timing.ms(base), *[timing.ratio(times.get(name), base) for name in names]])
+        results.append({"pass": step, "context": context, "ms": times,
+                        "ratio_to_sdpa": {name: value / base for name, value in times.items()}})
+    title = (f"Sparse attention against sdpa ({args.dtype}, {device}, batch 1): sdpa's milliseconds and each "
+             f"attention's time as a multiple of sdpa's (median of {plan['repeats']} interleaved rounds; decode: "
+             f"of {max(plan['decode_steps'], plan['repeats'])} steps)")
+    return timing.finish(args, "attention", setting, title, ["pass", "context", "sdpa ms", *names], rows, results)

