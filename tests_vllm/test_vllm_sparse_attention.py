@@ -177,7 +177,7 @@ def test_long_prompts_decode_through_the_int8_certificate_as_transformers(folder
 
 def rope_extended(folder, tmp_path, factor: float):
     """A copy of ``folder`` (its files linked) whose config interpolates the rope linearly ``factor`` times, as
-    ``benchmarks/bench_serving_long.py --rope-factor`` saves SmolLM2 (vLLM and transformers read the same config)."""
+    a long-context run saves SmolLM2 past its 8192 positions (vLLM and transformers read the same config)."""
     import json
 
     copy = tmp_path / f"{folder.name}_rope_x{factor:g}"

@@ -27,7 +27,7 @@ For a trained model, on held-out text and a synthetic retrieval task:
   ratio (medians).
 
 Contexts longer than the model's ``max_position_embeddings`` run with the rotary positions interpolated
-``rope_factor`` times (linear scaling, as ``benchmarks/bench_interleaved.py --rope-factor``): the model's
+``rope_factor`` times (linear scaling, ``rope_type: linear`` with that factor): the model's
 rotary module is replaced by one built from a copy of its config with ``rope_type: linear`` for those contexts
 only. A context longer than the positions without a ``rope_factor`` covering it, a model without a rotary
 module, and an empty document are refused with one ``ValueError``.

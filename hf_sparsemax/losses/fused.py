@@ -20,7 +20,7 @@ The logits exist one chunk of tokens at a time (``[chunk, V]``; never all
 ``[N, V]``). For each chunk the mapping's own support routine
 (:mod:`hf_sparsemax.mappings`) gives each token's support as ``(index, p)`` of
 shape ``[chunk, K]``, and the loss value comes from those. Design choice, by
-measurement (``benchmarks/bench_head_loss.py`` and a split of its fused
+measurement (``hf-sparsemax bench losses``' fused-head rows and a split of its fused
 sparse_softmax(top_k=64) row on this CPU): the chunk matmuls are about 80% of
 the fused forward, and the sparse backward costs about a third of the
 forward. Recomputing the chunk logits in backward would add one more dense

@@ -28,9 +28,9 @@ the forward (:func:`._triton_kernels.attention_forward`) makes passes over the k
 
 The passes of 2. and 3. loop over a list of the live tiles, rebuilt before each pass from the tile maxima of pass
 1 (no product, ``BLOCK_M`` floats a tile): the loop body has no data-dependent branch, so its loads stay
-pipelined (a branch around each tile's work stalled them), and a dead tile costs nothing. On the captured
-SmolLM2 scores (``benchmarks/count_passes.py``, docs/speed-attention.md) this takes the forward from 4.6-6 full
-passes over the keys to 1.3-2.9 full passes' worth of tile visits; not yet timed on a GPU.
+pipelined (a branch around each tile's work stalled them), and a dead tile costs nothing. On captured SmolLM2
+scores (counted in torch, with the kernel's per-row arithmetic, when it was written) this takes the forward
+from 4.6-6 full passes over the keys to 1.3-2.9 full passes' worth of tile visits; not yet timed on a GPU.
 
 Saved for backward: ``Q, K, V`` and one float32 a row, ``t = m + tau / (alpha - 1)`` (score units; ``+inf`` for
 a row that sees no key: weights 0, as the torch path), plus the tile bits; nothing of size ``q x kv``. The
