@@ -103,3 +103,13 @@ def test_cuda_is_refused_where_there_is_none(capsys, monkeypatch, what):
 def test_attn_names_are_checked(capsys):
     assert cli.main(["bench", "attention", "--attn", "entmax_bisect:high", "--smoke"]) == 2
     assert "expected sdpa, sparsemax, entmax15, learned, entmax_bisect:ALPHA" in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_named_with_the_fair_setting():
+    from hf_sparsemax.app.bench.timing import loaded
+
+    busy = {"load_average_before": [5.0, 4.0, 3.0], "load_average_after": [7.5, 5.0, 3.0], "device": "cpu",
+            "cpu": {"logical_cpus": 2}, "clock": "wall", "threads": 2}
+    assert "load average up to 7.5 on 2 CPUs" in loaded(busy) and "--threads 1 --clock cpu" in loaded(busy)
+    assert loaded({**busy, "clock": "cpu", "threads": 1}) is None
+    assert loaded({**busy, "load_average_before": [0.5] * 3, "load_average_after": [1.0] * 3}) is None

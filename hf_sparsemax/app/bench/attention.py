@@ -33,7 +33,7 @@ def settings(args) -> dict:
     """The run's sizes: ``--quick`` (and the test suite's smaller ``--smoke``) shrink the defaults."""
     small = args.quick or args.smoke
     return {
-        "contexts": args.contexts or ([32] if args.smoke else [128, 256] if small else [512, 2048, 8192]),
+        "contexts": args.contexts or ([32] if args.smoke else [256] if small else [512, 2048, 8192]),
         "attn": args.attn or DEFAULT_ATTN,
         "passes": args.passes or PASSES,
         "repeats": args.repeats or (1 if args.smoke else 2 if small else 3),

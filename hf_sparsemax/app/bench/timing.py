@@ -146,6 +146,10 @@ def finish(args, name: str, setting: dict, title: str, headers: list[str], rows:
     print(f"{title}\n{where}; torch {setting['torch']}, transformers {setting['transformers']}; {setting['clock']} "
           f"clock; load average {load[0][0] if load[0] else '?'} before, {load[1][0] if load[1] else '?'} after\n")
     print(text, flush=True)
+    busy = loaded(setting)
+    if busy:
+        print(f"\n{busy}")
+        setting["note"] = busy
     out = {"benchmark": name, "title": title, "setting": setting, "table": {"headers": headers, "rows": rows},
            "results": results}
     path = args.json or os.path.join("runs", "bench", f"{name}.json")
@@ -155,6 +159,18 @@ def finish(args, name: str, setting: dict, title: str, headers: list[str], rows:
         handle.write("\n")
     print(f"\nhf-sparsemax: results in {path}")
     return out
+
+
+def loaded(setting: dict) -> str | None:
+    """A warning where the machine was busy (1-minute load average over its CPUs) and the run timed the wall
+    clock with several threads: a thread waiting for a core then stalls the others, which moves the ratios."""
+    loads = [value[0] for value in (setting["load_average_before"], setting["load_average_after"]) if value]
+    cpus = setting["cpu"]["logical_cpus"] or 1
+    if not loads or max(loads) < cpus or setting["device"] != "cpu" or (
+            setting["clock"] == "cpu" and setting["threads"] == 1):
+        return None
+    return (f"the machine was busy (load average up to {max(loads):g} on {cpus} CPUs): on a shared machine "
+            f"--threads 1 --clock cpu times fairly (CPU time of one thread, not counting the waits for a core)")
 
 
 ATTENTIONS = {  # --attn name -> (attention, attn_options)
