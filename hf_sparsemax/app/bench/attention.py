@@ -36,7 +36,7 @@ def settings(args) -> dict:
         "contexts": args.contexts or ([32] if args.smoke else [256] if small else [512, 2048, 8192]),
         "attn": args.attn or DEFAULT_ATTN,
         "passes": args.passes or PASSES,
-        "repeats": args.repeats or (1 if args.smoke else 2 if small else 3),
+        "repeats": args.repeats or (1 if args.smoke else 3),
         "decode_steps": 2 if args.smoke else 4 if small else 8,
     }
 

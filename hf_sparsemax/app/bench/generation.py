@@ -30,7 +30,7 @@ def settings(args) -> dict:
     small = args.quick or args.smoke
     attns = args.attn or ["sdpa", "sparsemax", "entmax15"]
     return {"context": args.context or (64 if args.smoke else 512 if small else 8192),
-            "tokens": args.tokens or args.repeats or (2 if args.smoke else 4 if small else 8),
+            "tokens": args.tokens or args.repeats or (2 if args.smoke else 8),
             "attn": [name for name in attns if name != "sdpa"]}
 
 

@@ -30,7 +30,7 @@ def settings(args) -> dict:
     return {"vocab": args.vocab or (512 if args.smoke else 4096 if small else 49152),
             "tokens": args.tokens or (16 if args.smoke else 64 if small else 2048),
             "scores": (1, 2, 32, 32) if args.smoke else (1, 9, 128, 128) if small else (1, 9, 512, 512),
-            "repeats": args.repeats or (1 if args.smoke else 2 if small else 5)}
+            "repeats": args.repeats or (1 if args.smoke else 3 if small else 5)}
 
 
 def entmax_package():
