@@ -6,13 +6,14 @@ A developer's tool, run by hand when the recorded tables change (matplotlib come
     python benchmarks/plot_speed.py          # writes docs/speed-vs-sdpa.png
 
 No number is typed in here: every point is read from a table recorded in docs/speed-attention.md, found by its
-section's heading and its header row, so the figure cannot show a number the page does not:
+section's heading and its header row, so the figure cannot show a number the page does not (the tables were
+printed by the benchmark scripts that ``hf-sparsemax bench attention`` has since replaced):
 
-- training, the SmolLM2-shaped 4-layer Llama with random weights (``## Measured``; wall clock, 2 threads,
-  ``benchmarks/bench_attention_targets.py``), and the pretrained SmolLM2-135M on the fortunes text with block
-  skipping (``## Where the time goes, and what is not done``; ``benchmarks/bench_block_sparsity.py --time``);
+- training, the SmolLM2-shaped 4-layer Llama with random weights (``## Measured``; wall clock, 2 threads), and
+  the pretrained SmolLM2-135M on the fortunes text with block skipping (``## Where the time goes, and what is
+  not done``);
 - prefill and decoding, the pretrained SmolLM2-135M-Instruct, batch 1, each contender in its own process
-  (``### Inference: prefill and decoding``; CPU time, 1 thread, ``benchmarks/bench_inference.py``).
+  (``### Inference: prefill and decoding``; CPU time, 1 thread).
 
 The points also go into the PNG's ``Description`` text chunk (JSON), so ``tests/test_docs.py`` can check that the
 committed figure still shows what the tables say.
