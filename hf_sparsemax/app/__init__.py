@@ -1,4 +1,4 @@
-"""The recipe app: YAML recipes, data, training runs, reports and the ``hf-sparsemax`` command.
+"""The recipe app: YAML recipes, data, training runs, reports, benchmarks and the ``hf-sparsemax`` command.
 
 The top layer: it may import any part of the library, and no library module imports it (a test checks
 this). The shipped recipes (``recipes/*.yaml`` at the checkout's top level, the data package
