@@ -202,7 +202,8 @@ def add_bench_commands(commands) -> None:
     attention.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     attention.add_argument("--model", choices=["smollm2", "random"],
                            help="prefill / decode: the pretrained SmolLM2-135M-Instruct (default where its offline "
-                                "asset is installed) or SmolLM2's shape with random weights")
+                                "asset is installed) or SmolLM2's shape with random weights; smollm2 named: the "
+                                "training step's model too (default: 4 layers, random weights)")
     generation.add_argument("--context", type=int, help="cached tokens (default 8192)")
     generation.add_argument("--tokens", type=int, help="decoding steps a variant (default 8)")
     generation.add_argument("--attn", nargs="+", metavar="ATTN",
@@ -215,7 +216,7 @@ def add_bench_commands(commands) -> None:
     serving.add_argument("--batch", type=int, help="requests at once (default 8)")
     serving.add_argument("--attn", default="entmax15", help="the sparse folder's attention (default entmax15)")
     losses.add_argument("--vocab", type=int, help="vocabulary of the rows (default 49152, SmolLM2's)")
-    losses.add_argument("--tokens", type=int, help="rows of logits (default 2048)")
+    losses.add_argument("--tokens", type=int, help="rows of logits (default 4096)")
     losses.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 

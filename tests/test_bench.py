@@ -113,3 +113,13 @@ def test_a_busy_machine_is_named_with_the_fair_setting():
     assert "load average up to 7.5 on 2 CPUs" in loaded(busy) and "--threads 1 --clock cpu" in loaded(busy)
     assert loaded({**busy, "clock": "cpu", "threads": 1}) is None
     assert loaded({**busy, "load_average_before": [0.5] * 3, "load_average_after": [1.0] * 3}) is None
+
+
+def test_smollm2_past_its_positions_gets_its_rope_interpolated():
+    from hf_sparsemax.app.bench.timing import rope_factor, rope_options
+
+    assert rope_factor(8192) is None and rope_options(None) == {}
+    assert rope_factor(16384) == 2.0 and rope_factor(32768) == 4.0 and rope_factor(10000) == 2.0
+    options = rope_options(2.0)
+    assert options["max_position_embeddings"] == 16384 and options["rope_parameters"]["rope_type"] == "linear"
+    assert options["rope_parameters"]["factor"] == 2.0

@@ -4,10 +4,12 @@
   of SmolLM2-135M's heads (9 query heads, 3 KV heads, dimension 64; scores ~ N(0, 1)), causal, batch 1: sdpa is
   transformers' sdpa function, the sparse attentions the function the patched model calls;
 - ``train``: one training step (forward and backward of the causal-LM loss) of a 4-layer SmolLM2-shaped Llama
-  with random weights, batch 1;
+  with random weights (dense attention: the sparse attentions' worst case), batch 1; ``--model smollm2``: of the
+  pretrained SmolLM2-135M-Instruct (30 layers) on the fortunes text;
 - ``prefill``: one forward over the prompt (fortunes text where the offline SmolLM2 asset is installed) into a
   fresh ``DynamicCache``, under ``no_grad``, of the pretrained SmolLM2-135M-Instruct (``--model random``: its
-  shape with random weights, whose near-uniform scores give the sparse attentions wide supports);
+  shape with random weights, whose near-uniform scores give the sparse attentions wide supports); past its 8192
+  positions the rope is interpolated linearly (x2 to 16384 tokens, x4 to 32768);
 - ``decode``: a greedy decoding step (one token) from that cache.
 
 Each contender is its own copy of the model; every number is the median of interleaved rounds (every contender
@@ -99,12 +101,21 @@ def adasplash_call(q, k, v) -> dict:
     return {"AdaSplash (entmax15)": call}
 
 
-def train_pass(specs, context, dtype, device, read, repeats, tiny) -> dict[str, float]:
+def train_model(args, dtype, tokens: int):
+    """The training pass's model and its description: a 4-layer SmolLM2-shaped Llama with random weights, or
+    with ``--model smollm2`` the pretrained SmolLM2-135M-Instruct (30 layers) on real text."""
+    tiny = args.quick or args.smoke
+    if getattr(args, "model", None) == "smollm2" and not tiny:
+        return timing.base_model("smollm2", False, dtype, tokens=tokens)
+    if tiny:
+        return timing.smollm2_shaped(2, tiny=True).to(dtype), "2-layer tiny Llama, random weights"
+    return timing.base_model("random", False, dtype, layers=TRAIN_LAYERS)
+
+
+def train_pass(specs, context, base, device, read, repeats) -> dict[str, float]:
     """Milliseconds of one training step of each contender (forward + backward, batch 1)."""
-    base = timing.smollm2_shaped(2 if tiny else TRAIN_LAYERS, tiny=tiny).to(dtype)
     held = models(base, specs, device, train=True)
-    ids = torch.randint(0, base.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
-    ids = ids.to(device)
+    ids = timing.text_ids(context, base.config.vocab_size, seed=context).to(device)
 
     def step(model):
         def once():
@@ -119,7 +130,8 @@ def inference_passes(specs, contexts, dtype, device, read, repeats, steps, args,
     """``{(pass, context): {contender: ms}}`` of the prefill and the decoding step, and the model's description."""
     from transformers import DynamicCache
 
-    base, described = timing.base_model(getattr(args, "model", None), args.quick or args.smoke, dtype)
+    base, described = timing.base_model(getattr(args, "model", None), args.quick or args.smoke, dtype,
+                                        tokens=max(contexts))
     held = models(base.eval(), specs, device, train=False)
     keyword = timing.cache_keyword(base)
     del base
@@ -165,19 +177,21 @@ def run(args) -> dict:
     setting = timing.environment(args, device, args.dtype)
     tiny = args.quick or args.smoke
     measured = {}
+    trained, trained_described = (train_model(args, dtype, max(plan["contexts"])) if "train" in plan["passes"]
+                                  else (None, None))
     for context in plan["contexts"]:
         if "call" in plan["passes"]:
             measured[("call", context)] = call_pass(specs, context, dtype, device, read, plan["repeats"], tiny)
         if "train" in plan["passes"]:
-            measured[("train", context)] = train_pass(specs, context, dtype, device, read, plan["repeats"], tiny)
+            measured[("train", context)] = train_pass(specs, context, trained, device, read, plan["repeats"])
+    del trained
     described = None
     if {"prefill", "decode"} & set(plan["passes"]):
         found, described = inference_passes(specs, plan["contexts"], dtype, device, read, plan["repeats"],
                                             plan["decode_steps"], args, plan["passes"])
         measured.update(found)
     setting.update(models={"call": "one attention layer of " + ("a tiny Llama" if tiny else "SmolLM2-135M's shape"),
-                           "train": f"{2 if tiny else TRAIN_LAYERS}-layer "
-                                    + ("tiny Llama" if tiny else "SmolLM2-shaped Llama") + ", random weights",
+                           "train": trained_described,
                            "prefill, decode": described},
                    repeats=plan["repeats"], decode_steps=plan["decode_steps"], batch=1)
     extra = sorted({name for times in measured.values() for name in times} - set(specs))

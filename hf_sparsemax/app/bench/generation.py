@@ -55,7 +55,8 @@ def run(args) -> dict:
     dtype = timing.DTYPES[args.dtype]
     plan = settings(args)
     setting = timing.environment(args, device, args.dtype)
-    base, described = timing.base_model(getattr(args, "model", None), args.quick or args.smoke, dtype)
+    base, described = timing.base_model(getattr(args, "model", None), args.quick or args.smoke, dtype,
+                                        tokens=plan["context"])
     base = base.eval().to(device)
     keyword = timing.cache_keyword(base)
     held = {"sdpa": timing.with_attention(base, "sdpa", None)}

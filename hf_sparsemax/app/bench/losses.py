@@ -28,7 +28,7 @@ HIDDEN = 576  # SmolLM2-135M's hidden size (the fused head's input)
 def settings(args) -> dict:
     small = args.quick or args.smoke
     return {"vocab": args.vocab or (512 if args.smoke else 4096 if small else 49152),
-            "tokens": args.tokens or (16 if args.smoke else 64 if small else 2048),
+            "tokens": args.tokens or (16 if args.smoke else 64 if small else 4096),
             "scores": (1, 2, 32, 32) if args.smoke else (1, 9, 128, 128) if small else (1, 9, 512, 512),
             "repeats": args.repeats or (1 if args.smoke else 3 if small else 5)}
 

