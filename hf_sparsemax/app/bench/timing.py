@@ -146,7 +146,7 @@ def finish(args, name: str, setting: dict, title: str, headers: list[str], rows:
     print(f"{title}\n{where}; torch {setting['torch']}, transformers {setting['transformers']}; {setting['clock']} "
           f"clock; load average {load[0][0] if load[0] else '?'} before, {load[1][0] if load[1] else '?'} after\n")
     print(text, flush=True)
-    busy = loaded(setting)
+    busy = loaded(setting) if hasattr(args, "clock") else None  # serving: vLLM's engine sets its threads
     if busy:
         print(f"\n{busy}")
         setting["note"] = busy
