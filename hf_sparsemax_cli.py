@@ -200,6 +200,9 @@ def add_bench_commands(commands) -> None:
                            help="one attention call (forward), a training step (forward + backward of a 4-layer "
                                 "SmolLM2-shaped model), a prefill and a decoding step (default: all four)")
     attention.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    attention.add_argument("--memory", action="store_true",
+                           help="also the training step's peak memory, each attention in a fresh process (slower: each "
+                                "imports torch and compiles its kernels again)")
     attention.add_argument("--model", choices=["smollm2", "random"],
                            help="prefill / decode: the pretrained SmolLM2-135M-Instruct (default where its offline "
                                 "asset is installed) or SmolLM2's shape with random weights; smollm2 named: the "

@@ -33,7 +33,7 @@ def bench(capsys, tmp_path, *argv):
 
 def test_attention_times_every_pass_of_every_attention_against_sdpa(capsys, tmp_path):
     found, lines = bench(capsys, tmp_path, "attention", "--attn", "sparsemax", "entmax_bisect:1.3", "learned")
-    assert found["table"]["headers"] == ["pass", "context", "sdpa ms", "sparsemax", "entmax_bisect:1.3", "learned"]
+    assert found["table"]["headers"] == ["pass", "context", "sdpa", "sparsemax", "entmax_bisect:1.3", "learned"]
     assert [(r["pass"], r["context"]) for r in found["results"]] == [
         ("call", 32), ("train", 32), ("prefill", 32), ("decode", 32)]
     for row in found["results"]:
@@ -41,7 +41,7 @@ def test_attention_times_every_pass_of_every_attention_against_sdpa(capsys, tmp_
         assert row["ratio_to_sdpa"]["sdpa"] == 1
         assert row["ratio_to_sdpa"]["learned"] == pytest.approx(row["ms"]["learned"] / row["ms"]["sdpa"])
     assert found["setting"]["dtype"] == "float32" and found["setting"]["clock"] == "wall"
-    assert lines[2].startswith("| call | 32 | ") and lines[2].endswith("x |")
+    assert lines[2].startswith("| call | 32 | ") and " ms | " in lines[2] and lines[2].endswith("x |")
 
 
 def test_attention_passes_dtype_and_clock_are_chosen(capsys, tmp_path):
@@ -51,6 +51,16 @@ def test_attention_passes_dtype_and_clock_are_chosen(capsys, tmp_path):
     assert [row["pass"] for row in found["results"]] == ["decode"]
     assert found["setting"]["dtype"] == "bfloat16" and found["setting"]["clock"] == "cpu"
     assert found["setting"]["threads"] == 1 and torch.get_num_threads() == threads  # given back after
+
+
+@pytest.mark.slow  # a fresh process a contender, each importing torch and the library (~25 s on 2 busy cores)
+def test_attention_memory_is_the_training_steps_peak_in_a_fresh_process(capsys, tmp_path):
+    found, lines = bench(capsys, tmp_path, "attention", "--attn", "sparsemax", "--passes", "train", "--memory")
+    assert [row["pass"] for row in found["results"]] == ["train", "train memory"]
+    memory = found["results"][1]["mib"]
+    assert set(memory) == {"sdpa", "sparsemax"} and all(value > 0 for value in memory.values())
+    assert found["results"][1]["ratio_to_sdpa"]["sparsemax"] == pytest.approx(memory["sparsemax"] / memory["sdpa"])
+    assert lines[3].startswith("| train memory | 32 | ") and " MiB | " in lines[3]
 
 
 def test_generation_decodes_on_each_cache_with_the_floor(capsys, tmp_path, monkeypatch):

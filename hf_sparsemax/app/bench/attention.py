@@ -14,13 +14,20 @@
 
 Each contender is its own copy of the model; every number is the median of interleaved rounds (every contender
 once a round, after a warm-up round); the table shows sdpa's milliseconds and each sparse attention's time as a
-multiple of sdpa's. AdaSplash (``adasplash``, entmax 1.5) joins the ``call`` pass under ``--device cuda`` where
+multiple of sdpa's. ``--memory`` adds the training step's peak memory: what one step adds over the loaded model
+and its inputs, after a warm-up step, each contender in a fresh process (CPU: the resident high-water mark, with
+glibc's heap trimmed first and its mmap threshold fixed, so that it is the peak of live memory rather than of
+what the allocator happened to keep; CUDA: ``torch.cuda.max_memory_allocated``). AdaSplash (``adasplash``, entmax 1.5) joins the ``call`` pass under ``--device cuda`` where
 it is installed.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
+import multiprocessing
+import os
 
 import torch
 
@@ -28,6 +35,7 @@ from . import timing
 
 DEFAULT_ATTN = ["sparsemax", "entmax15", "entmax_bisect:1.3", "learned"]
 PASSES = ["call", "train", "prefill", "decode"]
+ORDER = ["call", "train", "train memory", "prefill", "decode"]
 TRAIN_LAYERS = 4
 
 
@@ -126,6 +134,82 @@ def train_pass(specs, context, base, device, read, repeats) -> dict[str, float]:
     return timing.interleaved({name: step(model) for name, model in held.items()}, repeats, read)
 
 
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # read by a spawned child's C library at start
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _memory_child(name: str, spec, context: int, model_args: dict, dtype: str, device: str, threads: int,
+                  queue) -> None:
+    """In a fresh process: MiB one training step of ``spec``'s attention adds at its peak (see the module
+    docstring); None where the platform cannot tell (no /proc)."""
+    import argparse
+
+    torch.set_num_threads(threads)
+    base, _ = train_model(argparse.Namespace(**model_args), timing.DTYPES[dtype], context)
+    model = models(base, {name: spec}, torch.device(device), train=True)[name]
+    del base
+    ids = timing.text_ids(context, model.config.vocab_size, seed=context).to(device)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up: compiled kernels and first-use buffers are not the step's memory
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        queue.put((torch.cuda.max_memory_allocated() - start) / 2**20)
+        return
+    try:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (AttributeError, OSError):  # not glibc: nothing to trim
+            pass
+        start = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")  # the high-water mark starts again from the current size
+        step()
+        queue.put((_status_kib("VmHWM") - start) / 1024)
+    except OSError:
+        queue.put(None)
+
+
+def memory_pass(specs: dict, context: int, args, device: torch.device) -> dict[str, float | None]:
+    """Peak MiB of a training step, each contender in a fresh spawned process (a forked one would deadlock in
+    torch's thread pool)."""
+    spawn = multiprocessing.get_context("spawn")
+    model_args = {"model": getattr(args, "model", None), "quick": args.quick, "smoke": args.smoke}
+    found = {}
+    saved = {name: os.environ.get(name) for name in MALLOC_ENVIRONMENT}
+    os.environ.update(MALLOC_ENVIRONMENT)
+    try:
+        for name, spec in specs.items():
+            queue = spawn.Queue()
+            child = spawn.Process(target=_memory_child, args=(name, spec, context, model_args, args.dtype,
+                                                               device.type, torch.get_num_threads(), queue))
+            child.start()
+            found[name] = queue.get()
+            child.join()
+            if child.exitcode:
+                raise RuntimeError(f"the peak-memory process of {name} failed (exit code {child.exitcode})")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return found
+
+
 def inference_passes(specs, contexts, dtype, device, read, repeats, steps, args, passes) -> tuple[dict, str]:
     """``{(pass, context): {contender: ms}}`` of the prefill and the decoding step, and the model's description."""
     from transformers import DynamicCache
@@ -184,6 +268,8 @@ def run(args) -> dict:
             measured[("call", context)] = call_pass(specs, context, dtype, device, read, plan["repeats"], tiny)
         if "train" in plan["passes"]:
             measured[("train", context)] = train_pass(specs, context, trained, device, read, plan["repeats"])
+        if args.memory:
+            measured[("train memory", context)] = memory_pass(specs, context, args, device)
     del trained
     described = None
     if {"prefill", "decode"} & set(plan["passes"]):
@@ -196,14 +282,18 @@ def run(args) -> dict:
                    repeats=plan["repeats"], decode_steps=plan["decode_steps"], batch=1)
     extra = sorted({name for times in measured.values() for name in times} - set(specs))
     names = [name for name in specs if name != "sdpa"] + extra
-    order = {name: i for i, name in enumerate(PASSES)}
+    order = {name: i for i, name in enumerate(ORDER)}
     rows, results = [], []
-    for (step, context), times in sorted(measured.items(), key=lambda item: (order[item[0][0]], item[0][1])):
-        base = times["sdpa"]
-        rows.append([step, context, timing.ms(base), *[timing.ratio(times.get(name), base) for name in names]])
-        results.append({"pass": step, "context": context, "ms": times,
-                        "ratio_to_sdpa": {name: value / base for name, value in times.items()}})
-    title = (f"Sparse attention against sdpa ({args.dtype}, {device}, batch 1): sdpa's milliseconds and each "
-             f"attention's time as a multiple of sdpa's (median of {plan['repeats']} interleaved rounds; decode: "
+    for (step, context), values in sorted(measured.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+        base = values["sdpa"]
+        memory = step == "train memory"
+        shown = "-" if base is None else f"{base:.0f} MiB" if memory else timing.ms(base) + (
+            "" if base >= 1e3 else " ms")
+        rows.append([step, context, shown, *[timing.ratio(values.get(name), base) for name in names]])
+        results.append({"pass": step, "context": context, "mib" if memory else "ms": values,
+                        "ratio_to_sdpa": {name: value / base for name, value in values.items()
+                                          if value is not None and base}})
+    title = (f"Sparse attention against sdpa ({args.dtype}, {device}, batch 1): sdpa's time (or peak memory) and "
+             f"each attention's as a multiple of sdpa's (median of {plan['repeats']} interleaved rounds; decode: "
              f"of {max(plan['decode_steps'], plan['repeats'])} steps)")
-    return timing.finish(args, "attention", setting, title, ["pass", "context", "sdpa ms", *names], rows, results)
+    return timing.finish(args, "attention", setting, title, ["pass", "context", "sdpa", *names], rows, results)
