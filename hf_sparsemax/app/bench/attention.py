@@ -17,8 +17,8 @@ once a round, after a warm-up round); the table shows sdpa's milliseconds and ea
 multiple of sdpa's. ``--memory`` adds the training step's peak memory: what one step adds over the loaded model
 and its inputs, after a warm-up step, each contender in a fresh process (CPU: the resident high-water mark, with
 glibc's heap trimmed first and its mmap threshold fixed, so that it is the peak of live memory rather than of
-what the allocator happened to keep; CUDA: ``torch.cuda.max_memory_allocated``). AdaSplash (``adasplash``, entmax 1.5) joins the ``call`` pass under ``--device cuda`` where
-it is installed.
+what the allocator happened to keep; CUDA: ``torch.cuda.max_memory_allocated``). AdaSplash (``adasplash``,
+entmax 1.5) joins the ``call`` pass under ``--device cuda`` where it is installed.
 """
 
 from __future__ import annotations
