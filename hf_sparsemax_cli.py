@@ -180,13 +180,14 @@ def add_bench_commands(commands) -> None:
     whats = bench.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCH_COMMANDS) + "}")
     subs = {name: whats.add_parser(name, help=text, description=text) for name, text in BENCH_COMMANDS.items()}
     for name, sub in subs.items():
-        sub.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: under a minute")
+        sub.add_argument("--quick", action="store_true",
+                         help="tiny shapes and few repeats, one thread on a CPU: under a minute")
         sub.add_argument("--json", metavar="PATH", help=f"where the results go (default runs/bench/{name}.json)")
         sub.add_argument("--repeats", type=int, help="timed rounds (interleaved; median)")
         sub.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # the test suite's smaller --quick
         if name != "serving":
             sub.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-            sub.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+            sub.add_argument("--threads", type=int, help="torch threads (default: torch's; --quick: 1)")
             sub.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                              help="wall: elapsed time (on cuda, synchronised); cpu: the process's CPU time, fairer on "
                                   "a shared, loaded machine with --threads 1")

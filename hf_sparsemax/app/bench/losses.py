@@ -12,7 +12,8 @@ outputs, from a fresh leaf each call):
   against the head's matrix product followed by cross-entropy, what ``LlamaForCausalLM`` computes.
 
 Contenders: sparsemax, entmax15, entmax_bisect at alpha 1.3, sparse_softmax with top_k=64 and with top_p=0.9;
-the ``entmax`` package's sparsemax / entmax15 / entmax_bisect where it is installed (``pip install entmax``).
+the ``entmax`` package's sparsemax / entmax15 / entmax_bisect where it is installed (``pip install entmax``;
+``--quick`` leaves out its entmax_bisect, whose 50 bisection steps of small operations would take most of the run).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def entmax_package():
     return entmax
 
 
-def mappings() -> dict:
+def mappings(quick: bool = False) -> dict:
     from ... import entmax15, entmax_bisect, sparse_softmax, sparsemax
 
     found = {"softmax (torch)": lambda x: torch.softmax(x, -1), "sparsemax": sparsemax, "entmax15": entmax15,
@@ -51,12 +52,13 @@ def mappings() -> dict:
     package = entmax_package()
     if package is not None:
         found.update({"entmax package: sparsemax": lambda x: package.sparsemax(x, -1),
-                      "entmax package: entmax15": lambda x: package.entmax15(x, -1),
-                      "entmax package: entmax_bisect(1.3)": lambda x: package.entmax_bisect(x, 1.3, -1)})
+                      "entmax package: entmax15": lambda x: package.entmax15(x, -1)})
+        if not quick:  # its 50 bisection steps of small operations take most of a --quick run on a busy machine
+            found["entmax package: entmax_bisect(1.3)"] = lambda x: package.entmax_bisect(x, 1.3, -1)
     return found
 
 
-def losses() -> dict:
+def losses(quick: bool = False) -> dict:
     from ... import entmax15_loss, entmax_bisect_loss, sparse_softmax_loss, sparsemax_loss
 
     found = {"cross_entropy (torch)": F.cross_entropy, "sparsemax_loss": sparsemax_loss,
@@ -66,8 +68,9 @@ def losses() -> dict:
     package = entmax_package()
     if package is not None:
         found.update({"entmax package: sparsemax_loss": package.SparsemaxLoss(),
-                      "entmax package: entmax15_loss": package.Entmax15Loss(),
-                      "entmax package: entmax_bisect_loss(1.3)": package.EntmaxBisectLoss(1.3)})
+                      "entmax package: entmax15_loss": package.Entmax15Loss()})
+        if not quick:
+            found["entmax package: entmax_bisect_loss(1.3)"] = package.EntmaxBisectLoss(1.3)
     return found
 
 
@@ -113,9 +116,10 @@ def run(args) -> dict:
                                 torch.finfo(dtype).min)
     hidden = torch.randn(tokens, HIDDEN, generator=generator).to(device, dtype)
     weight = (torch.randn(vocab, HIDDEN, generator=generator) * 2 / HIDDEN ** 0.5).to(device, dtype)
-    groups = [("mapping, vocab", f"[{tokens}, {vocab}]", mappings(), (logits,), "softmax (torch)"),
-              ("mapping, attention", str(list(shape)), mappings(), (scores,), "softmax (torch)"),
-              ("loss", f"[{tokens}, {vocab}]", losses(), (logits, targets), "cross_entropy (torch)"),
+    quick = args.quick or args.smoke
+    groups = [("mapping, vocab", f"[{tokens}, {vocab}]", mappings(quick), (logits,), "softmax (torch)"),
+              ("mapping, attention", str(list(shape)), mappings(quick), (scores,), "softmax (torch)"),
+              ("loss", f"[{tokens}, {vocab}]", losses(quick), (logits, targets), "cross_entropy (torch)"),
               ("loss, from hidden states", f"[{tokens}, {HIDDEN}] x [{vocab}, {HIDDEN}]", heads(),
                (hidden, weight, targets), "head + cross_entropy (torch)")]
     rows, results = [], []

@@ -110,10 +110,15 @@ def environment(args, device: torch.device, dtype: str | None) -> dict:
 
 
 def setup(args) -> tuple[torch.device, Callable[[], float]]:
-    """The device, threads and clock of a ``bench`` command's arguments."""
+    """The device, threads and clock of a ``bench`` command's arguments: ``--quick`` on the CPU runs one thread
+    unless ``--threads`` says otherwise (tiny operations on several threads wait at every parallel region's
+    barrier for a thread that another program holds: on a busy machine a small call then takes 10-50x)."""
     device = device_of(getattr(args, "device", "cpu"))
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
+    threads = getattr(args, "threads", None)
+    if threads is None and (getattr(args, "quick", False) or getattr(args, "smoke", False)) and device.type == "cpu":
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
     return device, clock(getattr(args, "clock", "wall"), device)
 
 
@@ -169,8 +174,9 @@ def loaded(setting: dict) -> str | None:
     if not loads or max(loads) < cpus or setting["device"] != "cpu" or (
             setting["clock"] == "cpu" and setting["threads"] == 1):
         return None
+    fair = "--clock cpu" if setting["threads"] == 1 else "--threads 1 --clock cpu"
     return (f"the machine was busy (load average up to {max(loads):g} on {cpus} CPUs): on a shared machine "
-            f"--threads 1 --clock cpu times fairly (CPU time of one thread, not counting the waits for a core)")
+            f"{fair} times fairly (CPU time of one thread, not counting the waits for a core)")
 
 
 ATTENTIONS = {  # --attn name -> (attention, attn_options)
