@@ -8,6 +8,7 @@ reallocations, a crop and a beam reorder equal to the full step with codes equal
 against the keys cached; replaced tensors taken back into buffers; bad input.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -97,6 +98,22 @@ def test_beam_search_equals_dynamic_cache(attn):
     want = generate(model, DynamicCache(), num_beams=2)
     got = generate(model, GrowingCache(), num_beams=2)
     assert torch.equal(got.sequences, want.sequences)
+
+
+@needs_kernel
+@pytest.mark.parametrize("make", [DynamicCache, GrowingCache])
+def test_a_reset_cache_reorders_without_taking_freed_keys_for_its_own(make):
+    """A layer's page summary follows its keys by weak reference: once ``reset`` drops them (None) and they are
+    freed, the summary describes nothing, so a reorder (a beam search on the reused cache) neither fails nor
+    carries the old pages; the next generation equals one on a new cache."""
+    model = tiny_llama("entmax15")
+    cache = make()
+    generate(model, cache)
+    assert all(getattr(layer, pages.SUMMARY_ATTR, None) is not None for layer in cache.layers)
+    cache.reset()
+    gc.collect()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(generate(model, cache, num_beams=2).sequences, generate(model, make(), num_beams=2).sequences)
 
 
 @needs_kernel
