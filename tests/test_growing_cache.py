@@ -35,6 +35,13 @@ def certify_from_64_keys(monkeypatch):
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(autouse=True)
+def without_gradients():
+    """The cache's steps as ``generate`` makes them, without gradients (with them it appends as a DynamicLayer)."""
+    with torch.no_grad():
+        yield
+
+
 def tiny_llama(attn: str, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -114,6 +121,38 @@ def test_a_reset_cache_reorders_without_taking_freed_keys_for_its_own(make):
     gc.collect()
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(generate(model, cache, num_beams=2).sequences, generate(model, make(), num_beams=2).sequences)
+
+
+@pytest.mark.parametrize("trained", ["every weight", "queries only"])
+@pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
+def test_appends_under_autograd_give_dynamic_caches_gradients(attn, trained):
+    """Forwards with gradients that append (a training loop with ``use_cache=True``, a rollout with gradients),
+    after and between steps without: the same logits and gradients as with a DynamicCache (the buffers' in-place
+    writes into views autograd saved made backward fail), and the layer keeps growing in buffers afterwards. Also
+    where only the query projections train (the first layer's keys need no gradient, yet are saved for the
+    queries')."""
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for make in (DynamicCache, lambda: GrowingCache(growth=2.0)):
+        model = tiny_llama(attn).train()
+        for name, param in model.named_parameters():
+            param.requires_grad_(trained == "every weight" or "q_proj" in name)
+        cache, total = make(), 0.0
+        for start, stop, grad in ((0, 12, False), (12, 20, True), (20, 21, True), (21, 22, False), (22, 30, True)):
+            with torch.set_grad_enabled(grad):
+                logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits
+                total = total + (logits * torch.linspace(-1, 1, 96)).sum() if grad else total
+            got.setdefault(type(cache), []).append(logits.detach())
+        total.backward()
+        got[type(cache)].extend(p.grad for p in model.parameters() if p.requires_grad)
+        if isinstance(cache, GrowingCache):
+            with torch.no_grad():
+                model(ids[:, 30:31], cache=cache, use_cache=True)
+            assert all(layer.views_buffers() and layer.capacity >= 31 for layer in cache.layers)
+    want, have = got[DynamicCache], got[GrowingCache]
+    assert len(want) == len(have)
+    for a, b in zip(want, have):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
