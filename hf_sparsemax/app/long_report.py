@@ -49,7 +49,7 @@ def summary(groups: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         decode = [r.get("decode") or {} for r in runs]
         out[name] = {"seeds": len(runs), "ce": mean_nested(runs, "cross_entropy_by_length"),
                      "passkey": mean_nested(runs, "passkey_accuracy"),
-                     "zeros": mean_nested(runs, "attention_zero_share"),
+                     "zeros": mean_nested(runs, "attention_zero_share_at_length"),
                      "never": mean_nested(runs, "keys_never_read"),
                      "trials": runs[0]["long_context"]["trials"], "spec": runs[0]["long_context"],
                      "tps": float(np.mean([d["tokens_per_s"] for d in decode])) if all(decode) else None,
