@@ -223,6 +223,22 @@ def test_default_growth_holds_within_5_percent_at_long_lengths(prompt_length):
     assert worst <= 1.05 and worst_codes <= 1.05, (worst, worst_codes)
 
 
+@pytest.mark.parametrize("growth", [1.04, 1.25])
+def test_a_reallocation_holds_what_the_docs_say(growth):
+    """docs/attention.md: right after a reallocation (a prefill, or a full buffer taking one more key) the buffers
+    hold at most ``growth`` times the keys, or their number rounded up to 64 keys where that is more: under 64 keys
+    over, within 5% from 1260 keys, within ``growth`` times from ``63 / (growth - 1)`` keys; below that, a cache
+    can be a page over ``growth`` times (at 1.04: between 1260 and 1575 keys, up to 1.049 times)."""
+    sizes = [(length, growing_cache.grown_size(length, filled, growth, growing_cache.ROUND))
+             for length in range(1, 6000) for filled in (0, length - 1)]
+    for length, size in sizes:
+        assert length <= size < length + growing_cache.ROUND or size <= growth * length
+        assert size <= max(growth, 1.05) * length or length < 1260
+        assert size <= growth * length or length < 63 / (growth - 1)
+    over = [length for length, size in sizes if size > growth * length and length >= 1260]
+    assert bool(over) == (growth < 1.05)
+
+
 def test_replaced_tensors_are_taken_back_into_buffers():
     """batch_select_indices / batch_repeat_interleave (DynamicLayer's, new tensors): the next update copies them
     into new buffers; the cache then equals a DynamicCache given the same calls."""
