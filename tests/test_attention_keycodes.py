@@ -291,7 +291,7 @@ def test_half_caches_nan_keys_and_the_back_off(monkeypatch):
 
 
 def test_a_key_whose_float32_score_overflows_is_read_as_the_full_step_reads_it():
-    """Issue 54: a key of entries +-3e38 scores q.k = 0 in int8 (a finite bound far below a large key's), but the
+    """A key of entries +-3e38 scores q.k = 0 in int8 (a finite bound far below a large key's), but the
     full step's float32 sum overflows (inf or NaN: a NaN row); the certificate dropped it and answered a finite
     row. Now a key whose float32 sum could overflow is read and scored exactly: the certified step (dense cache
     and paged cache) equals the full step bit for bit, NaN where NaN, and a masked huge key changes nothing."""
