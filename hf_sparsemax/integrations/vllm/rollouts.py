@@ -16,6 +16,10 @@ for them come out 0, and GRPO trains nothing, without a word (measured: loss 0, 
 
 - :func:`vllm_generation_kwargs` gives the ``GRPOConfig(generation_kwargs=...)`` that names the model's
   trained loss in every rollout request (``extra_args``; :mod:`.decoding` reads them).
+- :func:`rollout_refusal` is what :mod:`hf_sparsemax.integrations.trainer` checks on a trainer with
+  ``args.use_vllm``: ``None`` when vLLM will sample the trained distribution, else the sentence of the
+  ``ValueError``. The check runs at the first scoring forward of the first step, after the first
+  rollouts and before any optimizer step.
 
 Sparse attention. vLLM computes a folder's saved sparse attention on its CPU backend (:mod:`.backend`), and TRL's
 colocate weight sync refreshes the learned alphas, temperatures and length scales it computes with. Rollouts of a
@@ -25,10 +29,6 @@ model with sparse attention are then exact where vLLM loads a folder saved with 
 (:class:`~hf_sparsemax.AlphaScheduleCallback`) is in progress (its alpha and temperatures change at every step
 outside the weights). Elsewhere they are refused: server mode (the server's folder is out of sight), a folder
 without those settings (vLLM would compute softmax or another attention), a ramp.
-- :func:`rollout_refusal` is what :mod:`hf_sparsemax.integrations.trainer` checks on a trainer with
-  ``args.use_vllm``: ``None`` when vLLM will sample the trained distribution, else the sentence of the
-  ``ValueError``. The check runs at the first scoring forward of the first step, after the first
-  rollouts and before any optimizer step.
 
 Torch only: neither vLLM nor TRL is imported.
 """
@@ -141,7 +141,10 @@ def rollout_refusal(trainer, model) -> str | None:
     name = type(trainer).__name__
     mode = getattr(args, "vllm_mode", "colocate")
     path = getattr(getattr(trainer, "model", None), "name_or_path", None) or getattr(model, "name_or_path", None)
-    reason = attention_refusal(trainer, settings, mode, path)
+    try:
+        reason = attention_refusal(trainer, settings, mode, path)
+    except ValueError as error:
+        return f"{name} with use_vllm=True loads {path!r} into vLLM, which refuses it: {error}"
     if reason is not None:
         return f"{name} with use_vllm=True: {reason}"
     trained = trained_choice(settings)
