@@ -169,6 +169,27 @@ def test_selected_keys_folds_the_indices_into_the_mask():
             selected_keys(bad, mask, module, query, key, {})
 
 
+@pytest.mark.parametrize("rows, kwargs", [(1, {}), (3, {"is_causal": False})], ids=["one query", "non-causal"])
+def test_selected_keys_without_a_mask_where_no_causal_mask_applies(rows, kwargs):
+    """No mask and a call that sees every key (a single query, a non-causal call): the selection alone is the mask
+    (it raised an IndexError), and the attention over it equals the same call given that mask."""
+    from hf_sparsemax.attention.interface import sparse_attention_forward
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, n, 8, generator=generator, dtype=torch.float64) for n in (rows, 5, 5))
+    module = torch.nn.Module()
+    indices = torch.tensor([[[0, -1], [1, 3], [2, 4]]])[:, :rows].expand(2, rows, 2)
+    got = selected_keys(indices, None, module, query, key, kwargs)
+    want = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)[:rows]
+    assert got.shape == (2, 1, rows, 5) and torch.equal(got, want.expand(2, 1, rows, 5))
+    mask = torch.zeros(2, 1, rows, 5, dtype=torch.float64).masked_fill(~want, torch.finfo(torch.float64).min)
+    out = sparse_attention_forward(module, query, key, value, None, mapping="sparsemax", indices=indices, **kwargs)[0]
+    reference = sparse_attention_forward(module, query, key, value, mask, mapping="sparsemax", **kwargs)[0]
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
+    weights = sparsemax(torch.matmul(query, key.transpose(-1, -2)) * 8 ** -0.5 + mask, dim=-1)
+    torch.testing.assert_close(out, torch.matmul(weights, value).transpose(1, 2), rtol=0, atol=1e-12)
+
+
 def test_temperature_calibration_reads_the_selection():
     # the calibration's recorded rows and its softmax reference hold the indexer's selection in their masks
     # (before: the recorded indices did not follow the rows it keeps, a ValueError)

@@ -229,7 +229,7 @@ def paged(problem):
 
 
 def test_every_entry_reads_one_alpha_per_query_head_and_only_in_its_range():
-    """Issue 54: ``paged_decode`` took an alpha per kv head ``[1, Hkv, 1, 1, 1]`` with 2 query heads a group and C
+    """``paged_decode`` took an alpha per kv head ``[1, Hkv, 1, 1, 1]`` with 2 query heads a group and C
     read past it; ``decode`` had no alpha range check (alpha 3 answered 0.25 off). Now one helper checks alphas for
     every entry: an alpha per kv head is broadcast to its query heads, an alpha outside (1, 2] is left to the
     general path (None), any other shape is a ValueError."""
@@ -250,7 +250,7 @@ def test_every_entry_reads_one_alpha_per_query_head_and_only_in_its_range():
 
 
 def test_a_stray_header_beside_the_source_does_not_win(tmp_path, monkeypatch):
-    """Issue 54: fused.c included its generated header by a quoted name, which the compiler looks for beside the
+    """fused.c included its generated header by a quoted name, which the compiler looks for beside the
     source first: a stray ``hf_sparsemax_params.h`` there won over the generated one. Now the build passes its
     absolute path."""
     source = tmp_path / "src" / "fused.c"
@@ -267,7 +267,7 @@ def test_a_stray_header_beside_the_source_does_not_win(tmp_path, monkeypatch):
 
 
 def test_the_certificates_codes_are_checked_before_the_kernel_reads_or_writes_them():
-    """Issue 54: ``decode``'s key codes (:class:`.keycodes.KeyCodes`) were checked for shape and device only: codes
+    """``decode``'s key codes (:class:`.keycodes.KeyCodes`) were checked for shape and device only: codes
     of another dtype or layout were read as int8 blocks, and certified counts of int32 written as int64 (past the
     tensor). Now every tensor of a certificate (``decode``'s, ``code_slots``' and ``paged_decode``'s) must have its
     dtype, be contiguous and lie on the query's (the keys') device: else a ValueError naming it."""

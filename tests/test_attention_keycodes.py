@@ -205,6 +205,41 @@ def test_static_cache_unwritten_slots(monkeypatch):
     assert keycodes.COUNTS["calls"] == 10 and keycodes.certified_share() > 0.5
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("stale", [False, True], ids=["never written", "cropped away"])
+@pytest.mark.parametrize("setup", ["sparsemax", "entmax15", "learned"])
+def test_a_top_key_without_a_code_is_scored_exactly(setup, stale, rows, monkeypatch):
+    """A static cache whose custom mask shows slots past the filled length (zeros never written, or keys written and
+    then cropped away): those keys have no code, and here every row's top-scoring key is one of them. A key without
+    a code is bounded by ``+inf`` (read and scored exactly), so the row's largest bound (``reach`` in ``fused.c``)
+    is ``+inf``, no level is counted and the floor of tau is -1; the row's ``M`` is taken over the coded keys, at
+    most its true top. The step equals the full step bit for bit, with keys certified."""
+    from transformers import LlamaConfig, StaticCache
+
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=H_KV, hidden_size=H * D)
+    cache = StaticCache(config=config, max_cache_len=200)
+    module, attn = module_for(setup, torch.float32)
+    module.eval()
+    q, k, v = inputs(1, rows, 120, seed=9)
+    q = q.abs() + 0.1
+    k = -k.abs() * 0.3 - 0.2  # every key scores below 0, so a slot never written (zeros) tops each row
+    if stale:
+        k[:, :, 110:] = k[:, :, 110:].abs() * 3  # far above every coded key, then cropped away
+    cache.update(k, v, 0)
+    cache.crop(-20)
+    module.layer_idx = 0
+    pages.remember_cache(module, (), {"cache": cache})
+    keys, values = cache.update(k[:, :, 100:101], v[:, :, 100:101], 0)  # 101 keys filled and coded
+    mask = torch.zeros(1, 1, rows, 200)
+    mask[..., 150:] = MIN  # slots 101 to 149 shown
+    top = (q @ keys.repeat_interleave(H // H_KV, 1).transpose(-1, -2) + mask).argmax(-1)
+    assert bool((top > 100).all())
+    with torch.no_grad():
+        out = sparse_attention_forward(module, q, keys, values, mask, scaling=SCALING, mapping=attn)[0]
+    assert torch.equal(out, full_step(module, attn, q, keys, values, mask, monkeypatch))
+    assert keycodes.COUNTS["calls"] == 1 and keycodes.COUNTS["certified"] > 0
+
+
 def test_the_bound_is_what_makes_it_exact(monkeypatch):
     """Adversarial keys: a key with one channel large (it sets the scale) and the others just under half a
     quantisation step along the query (each rounds to 0), so its int8 score is 0 while its true score is the
@@ -256,7 +291,7 @@ def test_half_caches_nan_keys_and_the_back_off(monkeypatch):
 
 
 def test_a_key_whose_float32_score_overflows_is_read_as_the_full_step_reads_it():
-    """Issue 54: a key of entries +-3e38 scores q.k = 0 in int8 (a finite bound far below a large key's), but the
+    """A key of entries +-3e38 scores q.k = 0 in int8 (a finite bound far below a large key's), but the
     full step's float32 sum overflows (inf or NaN: a NaN row); the certificate dropped it and answered a finite
     row. Now a key whose float32 sum could overflow is read and scored exactly: the certified step (dense cache
     and paged cache) equals the full step bit for bit, NaN where NaN, and a masked huge key changes nothing."""

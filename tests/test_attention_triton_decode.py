@@ -252,7 +252,7 @@ def test_refusals():
 
 
 def test_the_routing_and_the_kernel_check_one_predicate():
-    """Issue 54: ``kernel="auto"`` raised on a decoding call whose mask is float64 or longer than the keys (a static
+    """``kernel="auto"`` raised on a decoding call whose mask is float64 or longer than the keys (a static
     cache's slots): the routing's reasons accepted both, the kernel's own check refused them. Now both read one
     predicate (:func:`triton_decode.reasons`): what the routing sends is served (the exact weights), what the
     kernel refuses the routing leaves to the torch path ("auto": None) and ``triton_decode`` raises with the same
@@ -300,7 +300,7 @@ def test_the_routing_and_the_kernel_check_one_predicate():
 
 
 def test_offsets_past_two_to_the_31_are_where_64_bit_arithmetic_puts_them(monkeypatch):
-    """Issue 54: the kernels computed offsets as int32 products (a row's scores at ``row * keys``), which wrap once
+    """The kernels computed offsets as int32 products (a row's scores at ``row * keys``), which wrap once
     ``B H q n`` passes 2^31 (8 GiB of scores). Without 8 GiB: each launch of a call with 2^14 query rows and
     139264 keys runs under the interpreter as its last program only (program ids int32, as a GPU gives them),
     its loads, stores and atomics recorded instead of made (the scratch buffers a float each); the scores the
@@ -390,7 +390,7 @@ def test_offsets_past_two_to_the_31_are_where_64_bit_arithmetic_puts_them(monkey
 
 
 def test_calls_in_flight_together_share_no_split_counts(monkeypatch):
-    """Issue 54: the values launch's counts of finished splits were one buffer per device, kept at zero between
+    """The values launch's counts of finished splits were one buffer per device, kept at zero between
     calls, so two calls in flight on two streams counted into each other's (a row block summed early, or never:
     its output left unwritten). Now each call has its own counts, zeroed: a second call made while the first one's
     values launch is about to run gets other counts, and both answer exactly."""

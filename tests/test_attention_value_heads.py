@@ -109,9 +109,9 @@ def leaves(module, q, k, v):
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_the_torch_blocks_give_the_dense_outputs_and_gradients(setup, heads, mask_kind, blocks, monkeypatch):
-    """The bug of issue 53: ``backward_blocks`` reshaped ``dO`` to the query's head size. Outputs and the gradients
-    of q, k, v and a learned alpha equal the dense reference in float64 (one block, or blocks of 2 queries with
-    every block gathering its live keys)."""
+    """Values of another head size than the queries' (``backward_blocks`` reshaped ``dO`` to the query's): outputs
+    and the gradients of q, k, v and a learned alpha equal the dense reference in float64 (one block, or blocks of
+    2 queries with every block gathering its live keys)."""
     if blocks == "several":
         monkeypatch.setattr(attention_blocks, "ATTENTION_BUDGET", 2 * HEADS[heads][0] * B * L)
         monkeypatch.setattr(attention_blocks, "MIN_BLOCK_QUERIES", 1)

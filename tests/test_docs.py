@@ -119,6 +119,22 @@ def test_the_speed_figure_shows_the_recorded_tables():
     assert "](speed-vs-sdpa.png)" in open(plot_speed.PAGE).read()
 
 
+def test_no_project_file_names_the_projects_bookkeeping():
+    """Recipes, CI, the package (its docstrings and everything it prints) and the tests speak of the library: no
+    issue number, no work session; a test says which bug it guards, not which number."""
+    pattern = re.compile(r"\bissues?[ -]?#?\d+|\bstops? \d+\b|\bsessions? \d+", re.I)
+    found = {}
+    for part in ("recipes", ".ci", "hf_sparsemax", "tests", "tests_vllm"):
+        for folder, _, names in os.walk(os.path.join(ROOT, part)):
+            for name in names:
+                if name.endswith((".py", ".c", ".yaml", ".txt")) or "." not in name:
+                    with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as handle:
+                        hits = pattern.findall(handle.read())
+                    if hits:
+                        found[os.path.relpath(os.path.join(folder, name), ROOT)] = hits
+    assert found == {}
+
+
 def test_no_page_a_user_reads_names_the_projects_issues():
     """History (which issue, which branch, which stop) is the CHANGELOG's; the README and docs/ describe the library."""
     pages = [os.path.join(ROOT, "README.md")]

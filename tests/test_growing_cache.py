@@ -8,6 +8,7 @@ reallocations, a crop and a beam reorder equal to the full step with codes equal
 against the keys cached; replaced tensors taken back into buffers; bad input.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -32,6 +33,13 @@ def certify_from_64_keys(monkeypatch):
     monkeypatch.delenv(pages.ENVIRONMENT, raising=False)
     keycodes.reset_counts()
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(autouse=True)
+def without_gradients():
+    """The cache's steps as ``generate`` makes them, without gradients (with them it appends as a DynamicLayer)."""
+    with torch.no_grad():
+        yield
 
 
 def tiny_llama(attn: str, seed: int = 0) -> LlamaForCausalLM:
@@ -100,6 +108,54 @@ def test_beam_search_equals_dynamic_cache(attn):
 
 
 @needs_kernel
+@pytest.mark.parametrize("make", [DynamicCache, GrowingCache])
+def test_a_reset_cache_reorders_without_taking_freed_keys_for_its_own(make):
+    """A layer's page summary follows its keys by weak reference: once ``reset`` drops them (None) and they are
+    freed, the summary describes nothing, so a reorder (a beam search on the reused cache) neither fails nor
+    carries the old pages; the next generation equals one on a new cache."""
+    model = tiny_llama("entmax15")
+    cache = make()
+    generate(model, cache)
+    assert all(getattr(layer, pages.SUMMARY_ATTR, None) is not None for layer in cache.layers)
+    cache.reset()
+    gc.collect()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(generate(model, cache, num_beams=2).sequences, generate(model, make(), num_beams=2).sequences)
+
+
+@pytest.mark.parametrize("trained", ["every weight", "queries only"])
+@pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
+def test_appends_under_autograd_give_dynamic_caches_gradients(attn, trained):
+    """Forwards with gradients that append (a training loop with ``use_cache=True``, a rollout with gradients),
+    after and between steps without: the same logits and gradients as with a DynamicCache (the buffers' in-place
+    writes into views autograd saved made backward fail), and the layer keeps growing in buffers afterwards. Also
+    where only the query projections train (the first layer's keys need no gradient, yet are saved for the
+    queries')."""
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for make in (DynamicCache, lambda: GrowingCache(growth=2.0)):
+        model = tiny_llama(attn).train()
+        for name, param in model.named_parameters():
+            param.requires_grad_(trained == "every weight" or "q_proj" in name)
+        cache, total = make(), 0.0
+        for start, stop, grad in ((0, 12, False), (12, 20, True), (20, 21, True), (21, 22, False), (22, 30, True)):
+            with torch.set_grad_enabled(grad):
+                logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits
+                total = total + (logits * torch.linspace(-1, 1, 96)).sum() if grad else total
+            got.setdefault(type(cache), []).append(logits.detach())
+        total.backward()
+        got[type(cache)].extend(p.grad for p in model.parameters() if p.requires_grad)
+        if isinstance(cache, GrowingCache):
+            with torch.no_grad():
+                model(ids[:, 30:31], cache=cache, use_cache=True)
+            assert all(layer.views_buffers() and layer.capacity >= 31 for layer in cache.layers)
+    want, have = got[DynamicCache], got[GrowingCache]
+    assert len(want) == len(have)
+    for a, b in zip(want, have):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("attn", ["sdpa", "entmax15"])
 def test_assisted_decoding_crops_and_equals_greedy(attn, monkeypatch):
     model, assistant = tiny_llama(attn), tiny_llama("sdpa", seed=3)
@@ -165,6 +221,22 @@ def test_default_growth_holds_within_5_percent_at_long_lengths(prompt_length):
         worst_codes = max(worst_codes, (codes.codes.nbytes + codes.scales.nbytes) / (length * (64 + 4)))
     assert len(capacities) >= 3  # reallocated at least twice
     assert worst <= 1.05 and worst_codes <= 1.05, (worst, worst_codes)
+
+
+@pytest.mark.parametrize("growth", [1.04, 1.25])
+def test_a_reallocation_holds_what_the_docs_say(growth):
+    """docs/attention.md: right after a reallocation (a prefill, or a full buffer taking one more key) the buffers
+    hold at most ``growth`` times the keys, or their number rounded up to 64 keys where that is more: under 64 keys
+    over, within 5% from 1260 keys, within ``growth`` times from ``63 / (growth - 1)`` keys; below that, a cache
+    can be a page over ``growth`` times (at 1.04: between 1260 and 1575 keys, up to 1.049 times)."""
+    sizes = [(length, growing_cache.grown_size(length, filled, growth, growing_cache.ROUND))
+             for length in range(1, 6000) for filled in (0, length - 1)]
+    for length, size in sizes:
+        assert length <= size < length + growing_cache.ROUND or size <= growth * length
+        assert size <= max(growth, 1.05) * length or length < 1260
+        assert size <= growth * length or length < 63 / (growth - 1)
+    over = [length for length, size in sizes if size > growth * length and length >= 1260]
+    assert bool(over) == (growth < 1.05)
 
 
 def test_replaced_tensors_are_taken_back_into_buffers():

@@ -192,7 +192,7 @@ def test_python_dash_m_builds_the_kernel(cache):
 
 
 def test_no_build_leaves_a_private_folder_or_a_partial_file_behind(cache, monkeypatch, tmp_path):
-    """Issue 54: kernel_build left its private ``mkdtemp`` folders and, on a file system without hard links, its
+    """kernel_build left its private ``mkdtemp`` folders and, on a file system without hard links, its
     ``.building-*.so`` partial file behind, and a failed compile (the compiler removes its output) raised
     FileNotFoundError from that cleanup in place of the compiler's error. Now a failed build raises the compiler's
     error, its partial file removed; the partial file

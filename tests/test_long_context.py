@@ -8,7 +8,7 @@ from test_recipes import char_tokenizer, run, tiny_llama  # noqa: F401 (a fixtur
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_sparsemax.app import long_context as lc
-from hf_sparsemax.app import long_report
+from hf_sparsemax.app import long_report, report
 from hf_sparsemax.app.recipes import RecipeError, load_recipe
 
 
@@ -224,7 +224,7 @@ def test_bad_long_context_settings_are_refused():
 
 def run_of(name, ce, passkey, never=0.995):
     return {"variant": name, "seed": 0, "cross_entropy_by_length": ce, "passkey_accuracy": passkey,
-            "attention_zero_share": 0.8, "keys_never_read": never,
+            "attention_zero_share_at_length": 0.8, "keys_never_read": never,
             "decode": {"tokens_per_s": 2.0, "sdpa_tokens_per_s": 1.0, "ratio_to_sdpa": 2.0},
             "long_context": {**lc.LongSpec().__dict__, "contexts": [2048, 16384], "depths": [0.5], "trials": 2}}
 
@@ -246,22 +246,33 @@ def test_the_targets_at_length_say_met_or_missed_with_their_numbers():
 
 
 @pytest.mark.slow
-def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # noqa: F811
+def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):  # noqa: F811
     """recipes/convert_long.yaml shrunk to the tiny Llama (2048 positions): every variant, the long keys in each
-    run's results.json, a context past the positions (rope x2), the certificate at 1100 keys, report and heatmap."""
+    run's results.json (the zeros at length beside the heatmap head's, not over them), a context past the
+    positions (rope x2), the certificate at 1100 keys, report and heatmap."""
     out = tmp_path / "convert_long"
     shrink = [f"model={tiny_llama}", "training.max_steps=2", "data.block_size=64", "data.train_size=2",
               "data.eval_size=1", "eval.max_new_tokens=2", "eval.heatmap_layer=0", "eval.prompts=[The]",
               "eval.long_context={documents: 1, length: 700, contexts: [600, 2200], depths: [0.5], trials: 1, "
               "rope_factor: 2.0, zeros_length: 64, decode_context: 2200, decode_steps: 2}"]
+    heatmap = []  # the heatmap head's share of zeros, as the comparison computes it
+    monkeypatch.setattr(report, "zero_share", lambda weights, share=report.zero_share: heatmap.append(share(weights))
+                        or heatmap[-1])
+
+    def forward_document(*args, forward=lc.forward_document, **kwargs):  # zeros at length unlike the heatmap's
+        losses, zeros = forward(*args, **kwargs)
+        return losses, None if zeros is None else 0.125
+
+    monkeypatch.setattr(lc, "forward_document", forward_document)
     assert run("compare", "convert_long", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
     names = ["softmax_ce", "entmax15_swap", "entmax15_converted", "entmax15_converted_length"]
-    for name in names:
+    assert len(heatmap) == 2 * len(names)  # each run's, then the report's figure titles
+    for name, zeros in zip(names, heatmap):
         result = json.loads((out / f"{name}-seed0" / "results.json").read_text())
+        assert result["attention_zero_share"] == zeros and result["attention_zero_share_at_length"] == 0.125
         assert set(result["cross_entropy_by_length"]) == {"0-512", "512-2048"}
         assert set(result["passkey_accuracy"]) == {"600", "2200"}
         assert all(v in (0.0, 1.0) for row in result["passkey_accuracy"].values() for v in row.values())
-        assert 0 <= result["attention_zero_share"] <= 1
         assert result["decode"]["context"] == 2200 and result["decode"]["tokens_per_s"] > 0
         parts = result["part_seconds"]  # where the time went: [wall, cpu] seconds of each part
         assert {"prepare", "train", "evaluate", "decoders_and_samples", "heatmap", "long_context"} <= set(parts)
@@ -271,7 +282,7 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path):  # 
         assert set(seconds) == {"600", "2200"} and all(set(p) == {"prefix", "prompt"} for p in seconds.values())
         assert 0 < result["decode"]["seconds"] <= seconds["2200"]["prompt"][0] + 0.1
         if name == "softmax_ce":
-            assert result["keys_never_read"] is None and result["attention_zero_share"] == 0
+            assert result["keys_never_read"] is None
         else:
             assert 0 <= result["keys_never_read"] <= 1 and result["keys_never_read_by_context"]["600"] is None
     text = (out / "report.md").read_text()

@@ -100,6 +100,39 @@ def test_json_files_are_strict_and_read_back_as_written(tmp_path):
         json.loads('{"a": Infinity}', parse_constant=refuse)  # the parser refuses what json.dump wrote before
 
 
+def same_json(a, b) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+TEXTS = ["NaN", "Infinity", "-Infinity", "\u0000", "\u0000NaN", "nan", "inf", ""]
+
+
+def test_texts_that_spell_a_non_finite_number_come_back_as_texts(tmp_path):
+    """A prompt, a sample or a label that reads "NaN" / "Infinity" / "-Infinity" (or begins with the mark that
+    tells texts apart) is a text after a write and a read, and twice so (a results file merged and written again,
+    as ``generate`` and ``compare --resume`` do); a non-finite number is a float (:func:`same_json` tells them
+    apart: Python's JSON writes a float NaN bare and a text quoted)."""
+    data = {"samples": [{"prompt": text, "text": text} for text in TEXTS], "labels": TEXTS,
+            "numbers": [math.inf, -math.inf, math.nan, 1.5], "NaN": "NaN", "nested": [[math.nan, "NaN"]]}
+    runner.write_json(tmp_path / "results.json", data)
+    strict_json(tmp_path / "results.json")  # still strict JSON
+    assert same_json(runner.read_json(tmp_path / "results.json"), data)
+    from hf_sparsemax.app.commands import update_results
+
+    update_results(str(tmp_path), {"more": ["Infinity", math.inf]})
+    update_results(str(tmp_path), {"again": "-Infinity"})
+    back = runner.read_json(tmp_path / "results.json")
+    assert same_json(back, {**data, "more": ["Infinity", math.inf], "again": "-Infinity"})
+
+
+def test_results_files_written_before_texts_were_marked_read_back_as_written(tmp_path):
+    """Files of earlier versions held non-finite numbers as the bare strings and no marked texts: read as before."""
+    (tmp_path / "old.json").write_text('{"ce": "Infinity", "low": "-Infinity", "nan": "NaN", "text": "a prompt"}')
+    back = runner.read_json(tmp_path / "old.json")
+    assert back["ce"] == math.inf and back["low"] == -math.inf and math.isnan(back["nan"])
+    assert back["text"] == "a prompt"
+
+
 def test_shipped_recipes_are_valid():
     for name in ("default", "classify"):
         recipe = load_recipe(os.path.join(RECIPE_DIR, name + ".yaml"))

@@ -276,7 +276,7 @@ def test_resume_from_a_checkpoint_folder_keeps_the_objective(tmp_path):
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_trained_variant_evaluates_as_the_in_memory_model(tmp_path, tmp_path_factory, capsys, lora):
-    """Issue 11: `evaluate` of a variant with learned alphas equals the evaluation right after training."""
+    """`evaluate` of a variant with learned alphas equals the evaluation right after training."""
     folder = tmp_path_factory.mktemp("tiny_llama_reload")
     tiny_lm().save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)

@@ -4,15 +4,17 @@ Checked: greedy ``generate`` (a padded batch, StaticCache and the default Growin
 scores bit for bit with the memos as with every layer computing for itself, while the mapping's path is computed
 once a generation and a static cache's mask analysis once a step, not once a layer; a value is not reused where
 its arguments changed: another model's options, a mask written in place, a new mask object, a crop (another
-filled length).
+filled length); two models with different alphas (patched, or loaded with ``attn_implementation=``) alternating or
+one freed before the other runs: each computes with its own alpha.
 """
 
+import gc
 import types
 import warnings
 
 import pytest
 import torch
-from transformers import StaticCache
+from transformers import AutoModelForCausalLM, StaticCache
 
 import hf_sparsemax as hs
 from hf_sparsemax.attention import interface
@@ -73,6 +75,56 @@ def test_the_mapping_path_is_not_reused_for_other_options():
     assert path is not None and interface.FIXED_THRESHOLD.computed == 5  # another dtype: computed again
 
 
+def entmax_bisect_llama(route: str):
+    """A tiny Llama with entmax_bisect attention: ``patch_model`` at alpha 1.25 or 1.75 (an options object each), or
+    loaded with ``attn_implementation="entmax_bisect"`` (no options object: the mapping's default alpha, 1.5)."""
+    if route == "load":
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_llama("sdpa").config, attn_implementation="entmax_bisect").eval()
+    model = tiny_llama("sdpa")
+    hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": float(route)})
+    return model
+
+
+def alone(model, monkeypatch) -> torch.Tensor:
+    """The model's logits with every layer computing its own path (no memo to reuse)."""
+    with monkeypatch.context() as patched:
+        every_layer_computes(patched)
+        return logits(model)
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.arange(40).remainder(96)[None]).logits
+
+
+ROUTES = [("1.25", "load"), ("load", "1.75"), ("1.25", "1.75")]
+
+
+@pytest.mark.parametrize("first, second", ROUTES)
+def test_two_models_alive_at_once_each_get_their_own_alpha(first, second, monkeypatch):
+    """Two models alternating in one process (patched at some alpha, or loaded with ``attn_implementation=``, which
+    holds no options object): each computes with its own alpha, whichever ran last."""
+    models = [entmax_bisect_llama(first), entmax_bisect_llama(second)]
+    want = [alone(model, monkeypatch) for model in models]
+    assert not torch.allclose(want[0], want[1])
+    for model, expected in [*zip(models, want), *zip(models, want)]:
+        assert torch.equal(logits(model), expected)
+
+
+@pytest.mark.parametrize("first, second", ROUTES)
+def test_a_freed_model_hands_its_alpha_to_no_other(first, second, monkeypatch):
+    """A model that ran last and was freed: the next model (above all one loaded with ``attn_implementation=``,
+    whose calls carry no options object) computes with its own alpha, not the freed model's."""
+    model = entmax_bisect_llama(second)
+    want = alone(model, monkeypatch)
+    other = entmax_bisect_llama(first)
+    assert not torch.equal(logits(other), want)
+    del other
+    gc.collect()
+    assert torch.equal(logits(model), want)
+
+
 def test_the_mask_analysis_is_not_reused_after_a_change():
     """A static layer's cut to its filled slots: made again for a mask written in place, a crop (another filled
     length) and a new mask object equal to an old one; reused for the same mask and length (the next layer)."""
@@ -105,6 +157,12 @@ def test_a_memo_holds_its_objects_weakly_and_never_reuses_for_another():
     assert memo((a,), (3,)) == 9.0 and memo((torch.ones(3),), (3,)) == 9.0 and memo.computed == 3
     del a  # freed: an object made later at its address is not taken for it
     assert memo((torch.zeros(3),), (3,)) == 0.0 and memo.computed == 4
+    memo = step_memo.Memo(lambda options, scale: (1.5 if options is None else float(options)) * scale)
+    options = torch.tensor(1.25)  # (any object that takes a weak reference, as an options object does)
+    assert memo((options,), (2,)) == 2.5
+    del options  # freed: a call without an object (None) is not taken for it either
+    assert memo((None,), (2,)) == 3.0 and memo.computed == 2
+    assert memo((None,), (2,)) == 3.0 and memo.computed == 2  # None is held, so the same None reuses
 
 
 def learned_llama():

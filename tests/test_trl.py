@@ -2,6 +2,7 @@
 
 import copy
 import pathlib
+import types
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.callbacks import _generate_completions  # what TRL's completion logging calls
 
 import hf_sparsemax as hs
+from hf_sparsemax.settings import SparseSettings
 
 LOSSES = [
     ("sparse_softmax", {"top_k": 5}),
@@ -445,18 +447,42 @@ def test_vllm_rollouts_must_sample_the_trained_distribution(tmp_path):
     assert "extra_args'] is refused" in rollout_refusal(rollout_trainer(folder=base, generation_kwargs=bad), model)
 
 
-def test_vllm_rollouts_are_refused_under_sparse_attention(tmp_path):
-    """vLLM's attention kernels compute softmax: rollouts of a sparse-attention model would be another model's."""
+def test_vllm_rollouts_of_sparse_attention_where_vllm_computes_it_exactly(tmp_path):
+    """vLLM computes a saved folder's sparse attention (learned alphas synced with the weights): colocate rollouts
+    from a folder saved with the model's attention are allowed; a folder with softmax or other settings, server
+    mode, or an alpha ramp in progress are refused in one sentence saying why."""
     from hf_sparsemax.integrations.vllm import vllm_generation_kwargs
     from hf_sparsemax.integrations.vllm.rollouts import rollout_refusal
 
-    model = hs.patch_model(tiny_lm(), attn="entmax15", loss="sparse_softmax", loss_options={"top_k": 5})
-    reason = rollout_refusal(rollout_trainer(generation_kwargs={"extra_args": {"hf_sparsemax": "sparse_softmax",
-                                                                               "hf_sparsemax_top_k": 5}}), model)
-    assert "entmax15 attention" in reason and "use_vllm=False" in reason
-    with pytest.raises(ValueError, match="vLLM's attention kernels compute softmax"):
-        vllm_generation_kwargs(model)
-    assert vllm_generation_kwargs(tiny_lm()) == {"extra_args": {"hf_sparsemax": "off"}}  # cross-entropy: softmax
+    tiny_lm().save_pretrained(tmp_path / "base")
+    options = {"alpha": 1.5, "learn_alpha": True}
+    hs.patch_model(tiny_lm(), attn="entmax_bisect", attn_options=options).save_pretrained(tmp_path / "saved")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "saved")  # as GRPO trains it: vLLM loads the same folder
+    assert SparseSettings.from_config(model.config).attention_options.learn_alpha
+    assert rollout_refusal(rollout_trainer(folder=tmp_path / "saved"), model) is None
+    assert rollout_refusal(rollout_trainer(folder=tmp_path / "saved", top_k=5), model) is None
+    assert vllm_generation_kwargs(model) == {"extra_args": {"hf_sparsemax": "off"}}  # cross-entropy: softmax
+    hs.patch_model(tiny_lm(), attn="entmax_bisect", attn_options={"alpha": 1.3}).save_pretrained(tmp_path / "other")
+    refused = {
+        "base": rollout_refusal(rollout_trainer(folder=tmp_path / "base"), model),
+        "other": rollout_refusal(rollout_trainer(folder=tmp_path / "other"), model),
+        "server": rollout_refusal(rollout_trainer(folder=tmp_path / "saved", vllm_mode="server"), model),
+    }
+    assert refused["base"].startswith("GRPOTrainer with use_vllm=True: this model trains entmax_bisect attention")
+    assert "whose attention is softmax: save the patched model (save_pretrained)" in refused["base"]
+    assert "whose attention is other entmax_bisect settings" in refused["other"]
+    assert "vllm_mode='server'" in refused["server"] and "use vllm_mode='colocate'" in refused["server"]
+    assert all(reason.count(": ") <= 2 and "\n" not in reason for reason in refused.values())
+    ramp = hs.AlphaScheduleCallback()
+    ramped = copy.deepcopy(model)
+    state = types.SimpleNamespace(global_step=0, max_steps=10)
+    ramp.on_train_begin(None, state, None, model=ramped)
+    trainer = rollout_trainer(folder=tmp_path / "saved")
+    trainer.callback_handler = types.SimpleNamespace(callbacks=[ramp])
+    assert ramp.ramping and "an alpha ramp (AlphaScheduleCallback) is in progress" in rollout_refusal(trainer, model)
+    state.global_step = 3  # the ramp's end (30% of 10 steps): the learned alphas start afresh and train
+    ramp.on_step_begin(None, state, None)
+    assert not ramp.ramping and rollout_refusal(trainer, model) is None
 
 
 @pytest.mark.parametrize("patch, refused", [

@@ -7,6 +7,10 @@ patched folder with nothing else, every rollout token lies in the top-3 of the t
 prefix (up to ties within bfloat16 rounding: vLLM runs a float32 folder in bfloat16 on CPU, as TRL leaves
 its dtype "auto"). Loaded from the base folder without that, vLLM would sample softmax (the first rollouts show it) and
 the guard refuses before the first step.
+
+Sparse attention (``grpo_sparse_rollouts.py``): a tiny Llama saved with entmax-bisect attention learning its alphas,
+trained loaded from that folder, its alphas moved before the first weight sync and again after the first step: vLLM's
+greedy rollouts equal transformers' greedy ``generate`` of the training model after each sync.
 """
 
 import json
@@ -68,3 +72,44 @@ def test_grpo_rollouts_from_a_base_folder_without_the_loss_are_refused(rollouts)
     assert seen["error"].startswith("GRPOTrainer with use_vllm=True would sample its rollouts with vLLM from softmax")
     assert "vllm_generation_kwargs(model)" in seen["error"]
     assert seen["outside"] >= seen["tokens"] * 3 // 4  # what was refused: softmax rollouts, far outside the top 3
+
+
+SPARSE_WORKER = Path(__file__).with_name("grpo_sparse_rollouts.py")
+
+
+@pytest.fixture(scope="module")
+def sparse_rollouts(tmp_path_factory):
+    """``grpo_sparse_rollouts.py``'s record: a tiny Llama saved with entmax-bisect attention learning its alphas."""
+    from hf_sparsemax.app.assets import load_smollm2
+
+    root = tmp_path_factory.mktemp("grpo_sparse")
+    _, tokenizer = load_smollm2(dtype=torch.float32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True})
+    model.save_pretrained(root / "sparse")
+    tokenizer.save_pretrained(root / "sparse")
+    out = root / "sparse_rollouts.json"
+    done = subprocess.run([sys.executable, str(SPARSE_WORKER), str(root), str(out)], check=False,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_grpo_rollouts_of_sparse_attention_equal_transformers_generate_after_each_weight_sync(sparse_rollouts):
+    """GRPO (colocate) on a model loaded from a folder saved with its sparse attention: allowed, and after each
+    weight sync (learned alphas moved before the first and again after the first step) vLLM's greedy rollouts are
+    transformers' greedy ``generate`` of the training model, token for token; under the alphas before the sync
+    (the folder's, then the first step's) ``generate`` gives other tokens, so the synced alphas are what vLLM
+    computes with."""
+    seen = sparse_rollouts
+    assert "error" not in seen and seen["steps"] == 2 and len(seen["generations"]) == 2
+    first, second = seen["generations"]
+    assert first["alphas"] != second["alphas"]
+    for generation in (first, second):
+        assert sum(len(tokens) for tokens in generation["rollouts"]) > 16
+        assert generation["rollouts"] == generation["generate"]
+        assert generation["stale"] != generation["generate"]

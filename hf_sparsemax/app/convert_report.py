@@ -2,7 +2,7 @@
 
 Written when the runs carry curves (``eval.curve_every``, :mod:`.curves`). The figure ``curves.png`` shows,
 per variant (mean over its seeds at each measured step), the held-out loss and the share of exact attention
-zeros (every layer and head) over the steps. The targets (issue 48) are checked when the variants they name
+zeros (every layer and head) over the steps. The targets are checked when the variants they name
 exist, each mean over the seeds:
 
 - ``entmax15_converted``: held-out cross-entropy within :data:`CE_MARGIN` of ``softmax_ce``'s, with at least

@@ -14,9 +14,9 @@ For a trained model, on held-out text and a synthetic retrieval task:
   them across the boundary is refused (``ValueError``), never scored on a different split. Every prompt begins
   with the same tokens (the instruction, then the filler up to its needle), so the cells of one rotary setting
   share one prefill of that prefix (:class:`SharedPrefix`), each cell feeding only the rest of its prompt.
-- ``attention_zero_share``: the share of the attention weights that are exactly 0 (every layer and head, the
-  cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
-  (:func:`hf_sparsemax.app.curves.measure`).
+- ``attention_zero_share_at_length``: the share of the attention weights that are exactly 0 (every layer and head,
+  the cells the causal mask allows) on the first ``zeros_length`` tokens of the first held-out document
+  (:func:`hf_sparsemax.app.curves.measure`; its own key: ``attention_zero_share`` is the heatmap head's).
 - ``keys_never_read``: the share of cached keys the int8 certificate (:mod:`hf_sparsemax.attention.blocked.keycodes`)
   proved weightless and never read, over the decoding steps at ``decode_context`` tokens (passkey answers and
   the timed steps); ``keys_never_read_by_context`` per passkey context. ``None`` where no step was certified
@@ -376,7 +376,7 @@ def evaluate(model, tokenizer, documents: list[torch.Tensor], spec: LongSpec) ->
             loss, zeros = forward_document(model, ids, spec.rope_factor, spec.zeros_length if index == 0 else 0)
             losses.append(loss)
             zero_share = zeros if index == 0 else zero_share
-    out = {"cross_entropy_by_length": bucket_means(losses), "attention_zero_share": zero_share}
+    out = {"cross_entropy_by_length": bucket_means(losses), "attention_zero_share_at_length": zero_share}
     out.update(passkey(model, tokenizer, spec))
     out["long_context"] = {**dataclasses.asdict(spec), "positions": positions_of(model),
                            "seconds": round(time.perf_counter() - start, 1), "ce_seconds": ce["ce"][0],

@@ -3,8 +3,8 @@
 Written when the runs carry ``cross_entropy_by_length``. Per variant, the mean over its seeds of: the held-out
 cross-entropy per position bucket, the passkey accuracy per context and depth, the exact attention zeros, the
 keys the int8 certificate never read at the decoding context, and the decoding speed beside sdpa's. The figure
-``passkey_heatmap.png`` shows the passkey accuracy (depth x context) per variant. The targets (issue 56), each
-checked when the variants it names ran:
+``passkey_heatmap.png`` shows the passkey accuracy (depth x context) per variant. The targets, each checked
+when the variants it names ran:
 
 - ``entmax15_converted``: held-out cross-entropy within :data:`CE_MARGIN` of ``softmax_ce``'s in every bucket;
 - ``entmax15_converted``: passkey accuracy at the contexts within the model's positions (SmolLM2: 8192) no more
@@ -49,7 +49,7 @@ def summary(groups: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         decode = [r.get("decode") or {} for r in runs]
         out[name] = {"seeds": len(runs), "ce": mean_nested(runs, "cross_entropy_by_length"),
                      "passkey": mean_nested(runs, "passkey_accuracy"),
-                     "zeros": mean_nested(runs, "attention_zero_share"),
+                     "zeros": mean_nested(runs, "attention_zero_share_at_length"),
                      "never": mean_nested(runs, "keys_never_read"),
                      "trials": runs[0]["long_context"]["trials"], "spec": runs[0]["long_context"],
                      "tps": float(np.mean([d["tokens_per_s"] for d in decode])) if all(decode) else None,

@@ -544,13 +544,18 @@ def fresh_copy(model):
 
 
 NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}  # results.json's strings for them
+TEXT = "\u0000"  # written before a text that would otherwise read as a number of NON_FINITE (or begins with it)
 
 
 def strict(data: Any) -> Any:
     """``data`` with every non-finite float replaced by its string in :data:`NON_FINITE` (strict JSON has no
-    infinity or NaN: ``jq`` and JavaScript refuse Python's bare ``Infinity``)."""
+    infinity or NaN: ``jq`` and JavaScript refuse Python's bare ``Infinity``), and every text that :func:`loose`
+    would take for something else (one of those strings, or one beginning with :data:`TEXT`) marked as a text:
+    :data:`TEXT` before it. So a prompt or a sample that reads "NaN" comes back a text, a NaN a float."""
     if isinstance(data, float) and not math.isfinite(data):
         return "NaN" if math.isnan(data) else ("Infinity" if data > 0 else "-Infinity")
+    if isinstance(data, str) and (data in NON_FINITE or data.startswith(TEXT)):
+        return TEXT + data
     if isinstance(data, dict):
         return {key: strict(value) for key, value in data.items()}
     if isinstance(data, (list, tuple)):
@@ -559,9 +564,10 @@ def strict(data: Any) -> Any:
 
 
 def loose(data: Any) -> Any:
-    """The inverse of :func:`strict`: the strings of :data:`NON_FINITE` back to floats."""
+    """The inverse of :func:`strict`: the strings of :data:`NON_FINITE` back to floats, marked texts unmarked.
+    Files written before texts were marked read back as they were written (their bare strings were numbers)."""
     if isinstance(data, str):
-        return NON_FINITE.get(data, data)
+        return data[len(TEXT):] if data.startswith(TEXT) else NON_FINITE.get(data, data)
     if isinstance(data, dict):
         return {key: loose(value) for key, value in data.items()}
     if isinstance(data, list):
@@ -570,7 +576,8 @@ def loose(data: Any) -> Any:
 
 
 def write_json(path: str, data: Any) -> None:
-    """Strict JSON (:func:`strict`: ``"Infinity"``, ``"-Infinity"``, ``"NaN"`` for the non-finite floats)."""
+    """Strict JSON (:func:`strict`: ``"Infinity"``, ``"-Infinity"``, ``"NaN"`` for the non-finite floats, a text
+    that reads as one marked), read back by :func:`read_json` to what was written (tuples as lists)."""
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(strict(data), handle, indent=2, sort_keys=True, default=str, allow_nan=False)
         handle.write("\n")

@@ -397,9 +397,10 @@ def selected_keys(indices: torch.Tensor | None, mask: torch.Tensor | None, modul
     slots = torch.where(indices < 0, kv, indices.long())  # padding goes to a spare slot, cut off after
     selected = torch.zeros(*indices.shape[:2], kv + 1, dtype=torch.bool, device=query.device)
     selected = selected.scatter(-1, slots, True)[..., :kv].unsqueeze(1)  # [B, 1, q, kv]
+    if mask is None and not is_causal(module, q_len, None, kwargs):
+        return selected  # a single query or a non-causal call sees every key: the selection alone
     if mask is None:
-        causal = is_causal(module, q_len, None, kwargs)
-        mask = causal_mask(0, q_len, slice(0, kv), query.dtype, query.device) if causal else selected.new_ones(())
+        mask = causal_mask(0, q_len, slice(0, kv), query.dtype, query.device)
     mask = mask[..., :kv]
     if mask.dtype == torch.bool:
         return mask & selected

@@ -86,7 +86,7 @@ class AlphaScheduleCallback(TrainerEvents):
     """``transformers`` callback: anneal the attention's alpha from ``start`` to the patched target over
     ``share`` of the training steps (see the module docstring). ``Trainer(..., callbacks=[hs.AlphaScheduleCallback()])``
     on a model patched with ``attn="entmax15"`` / ``"sparsemax"`` / ``"entmax_bisect"`` (fixed or learned alpha).
-    ``alpha`` (read only): the alpha of the last scheduled step."""
+    ``alpha`` (read only): the alpha of the last scheduled step; ``ramping``: whether the ramp is in progress."""
 
     def __init__(self, share: float = DEFAULT_SHARE, start: float = DEFAULT_START) -> None:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
@@ -96,6 +96,11 @@ class AlphaScheduleCallback(TrainerEvents):
         self.share, self.start = float(share), float(start)
         self.alpha: float | None = None
         self._plan = None
+
+    @property
+    def ramping(self) -> bool:
+        """Whether training runs the ramp (from train begin until the step that reaches the target)."""
+        return self._plan is not None and not self._plan.get("released")
 
     # -- the plan: what the patch left, read once at train begin
 

@@ -28,7 +28,8 @@ One more setting routes around the distribution the loss trains, rather than the
 ``use_vllm=True`` draw their rollouts from vLLM, which samples plain softmax unless hf_sparsemax's logits
 processor knows the trained loss (from the folder vLLM loads, or from ``generation_kwargs``); such a trainer
 is refused until it does (:mod:`hf_sparsemax.integrations.vllm.rollouts`, whose ``vllm_generation_kwargs(model)`` is
-the fix), as is one under sparse attention, which vLLM's kernels do not compute.
+the fix), as is one under sparse attention that vLLM would not compute exactly (another folder's attention, server
+mode, an alpha ramp).
 
 The check runs in a forward pre-hook of the patched model, only on the calls
 these trainers make (a training-mode forward with no ``labels``, or TRL's

@@ -17,6 +17,12 @@ same view, its buffer not written since) before the step appends, so the summary
 appends and reallocations (the filled keys keep their values), and a crop, reorder or reset gives a new view
 (a new summary, or a reordered one).
 
+Under autograd (a forward with gradients on that appends: a training step with ``use_cache=True``, an RL rollout
+with gradients) the layer appends as a ``DynamicLayer`` does, with ``torch.cat``, and drops its buffers: the keys
+and values it returns may be saved for backward, and a later step's write into their buffers (after them, or
+over them after a crop or reorder) would be an in-place change autograd refuses at backward. The next step
+without gradients takes the keys into new buffers.
+
 ``crop`` and beam search's ``reorder_cache`` are in place: keys kept stay where they are, and the slots after a
 crop are written again by later steps (a view taken before the crop sees those writes; the cache's own views
 never do). Anything else that replaces ``keys`` / ``values`` (``batch_select_indices``,
@@ -116,7 +122,11 @@ class GrowingLayer(DynamicLayer):
         self.views = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new keys and values after the filled ones; return the views of all of them."""
+        """Write the new keys and values after the filled ones; return the views of all of them. With gradients
+        on, ``DynamicLayer``'s append instead (module docstring)."""
+        if torch.is_grad_enabled():  # autograd may save the returned keys: later writes into them must not happen
+            self.key_buffer = self.value_buffer = self.views = None
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         filled = self.filled()

@@ -44,7 +44,7 @@ import torch
 from ...mappings import compiled
 from ...mappings._core import masked_below
 from .growing_cache import GrowingLayer
-from .step_memo import Memo
+from .step_memo import Memo, reference, same
 
 PAGE = 64  # keys a page
 MIN_KEYS = 1024  # cached keys from which a decoding step skips pages (measured: below, the full step is as fast)
@@ -108,12 +108,12 @@ class PageSummary:
     def describes(self, layer) -> bool:
         """Whether these pages are still pages of ``layer``'s keys (checked before the cache adds keys)."""
         keys = layer.keys
-        return (self.source is not None and self.source() is keys and keys._version == self.version
+        return (keys is not None and same(self.source, keys) and keys._version == self.version
                 and filled(layer) >= self.length)
 
     def track(self, key: torch.Tensor, length: int) -> "PageSummary":
         """Record that the pages (and codes) describe ``key[..., :length, :]`` (brought up to date on use)."""
-        self.source, self.version, self.length, self.carried = weakref.ref(key), key._version, length, False
+        self.source, self.version, self.length, self.carried = reference(key), key._version, length, False
         return self
 
     def update(self, key: torch.Tensor, length: int) -> "PageSummary":
@@ -207,8 +207,8 @@ def page_summary(layer, key: torch.Tensor, value: torch.Tensor, mask) -> tuple[P
     if length < max(MIN_KEYS, PAGE) or (length < key.shape[-2] and mask is None):  # unwritten slots need a mask
         return None
     summary = getattr(layer, SUMMARY_ATTR, None)
-    if summary is None or not (summary.carried or summary.source is not None and summary.source() is key
-                               and key._version == summary.version) or summary.mins.shape[:2] != key.shape[:2]:
+    if (summary is None or not (summary.carried or same(summary.source, key) and key._version == summary.version)
+            or summary.mins.shape[:2] != key.shape[:2]):
         summary = PageSummary(key)
         setattr(layer, SUMMARY_ATTR, summary)
         follow_reorders(layer)

@@ -7,7 +7,8 @@ threshold mapping serves the call, its options and fixed alpha, whether float32 
 of a static cache past the filled length: :func:`.pages.filled_part`). Each is a function of a few arguments. A
 :class:`Memo` keeps its function's last value beside the arguments it was computed from, and gives it back to a
 call whose arguments are the same objects (``is``, held by weak reference: the model's options object, the mask
-tensor itself, never one merely equal to it) with the same values (dtypes, lengths, the mask's in-place version
+tensor itself, never one merely equal to it; a reference whose object was freed matches no call, not even one
+without such an object) with the same values (dtypes, lengths, the mask's in-place version
 counter). So the first layer of a step computes and the other layers reuse; the next step reuses what did not
 change (the options) and computes again what did (the mask transformers makes anew each step, a static cache's
 filled length, a mask written in place, a crop). A reused value is the one the call would have computed: the
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 
 def reference(obj: Any):
-    """A weak reference to ``obj``, or ``obj`` itself where it takes none (None, a string)."""
+    """A weak reference to ``obj``, or ``obj`` itself where it takes none (None, a string: held, so never freed)."""
     try:
         return weakref.ref(obj)
     except TypeError:
@@ -29,8 +30,12 @@ def reference(obj: Any):
 
 
 def same(held, obj: Any) -> bool:
-    """Whether ``held`` (from :func:`reference`) refers to ``obj`` itself."""
-    return (held() if isinstance(held, weakref.ref) else held) is obj
+    """Whether ``held`` (from :func:`reference`) refers to ``obj`` itself. A reference whose object was freed
+    refers to nothing: it is not ``obj``, whatever ``obj`` is (None included, as a model without options passes)."""
+    if isinstance(held, weakref.ref):
+        target = held()
+        return target is not None and target is obj
+    return held is obj
 
 
 class Memo:

@@ -21,11 +21,21 @@ for them come out 0, and GRPO trains nothing, without a word (measured: loss 0, 
   ``ValueError``. The check runs at the first scoring forward of the first step, after the first
   rollouts and before any optimizer step.
 
+Sparse attention. vLLM computes a folder's saved sparse attention on its CPU backend (:mod:`.backend`), and TRL's
+colocate weight sync refreshes the learned alphas, temperatures and length scales it computes with. Rollouts of a
+model with sparse attention are then exact where vLLM loads a folder saved with the same attention settings
+(``model.save_pretrained(folder)``, then training the model loaded from ``folder``: TRL starts vLLM on
+``model.name_or_path``, with no other way to hand it settings), in colocate mode, and no alpha ramp
+(:class:`~hf_sparsemax.AlphaScheduleCallback`) is in progress (its alpha and temperatures change at every step
+outside the weights). Elsewhere they are refused: server mode (the server's folder is out of sight), a folder
+without those settings (vLLM would compute softmax or another attention), a ramp.
+
 Torch only: neither vLLM nor TRL is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -62,11 +72,10 @@ def vllm_generation_kwargs(model, generation_kwargs: Mapping[str, Any] | None = 
     other sampling parameters to keep (their own ``extra_args`` are kept too, hf_sparsemax's keys
     replaced).
 
-    Raises ``ValueError`` for a model with sparse attention: vLLM's attention kernels compute softmax, so
-    its rollouts would come from another model (train it with ``use_vllm=False``).
+    A model with sparse attention: vLLM computes the attention of the folder it loads, which the trainer's
+    guard checks (:func:`rollout_refusal`).
     """
     settings = SparseSettings.from_config(model.config)
-    refuse_attention(settings)
     kwargs = dict(generation_kwargs or {})
     kept = {key: value for key, value in dict(kwargs.get("extra_args") or {}).items()
             if key != KEY and not key.startswith(OPTION_PREFIX)}
@@ -74,13 +83,32 @@ def vllm_generation_kwargs(model, generation_kwargs: Mapping[str, Any] | None = 
     return kwargs
 
 
-def refuse_attention(settings: SparseSettings | None) -> None:
-    if settings is not None and settings.attention_options is not None:
-        raise ValueError(
-            f"this model trains {settings.attn} attention (hf_sparsemax), and vLLM's attention kernels compute "
-            "softmax: its rollouts would come from another model; use use_vllm=False (rollouts from the patched "
-            "model's generate)"
-        )
+def attention_refusal(trainer, settings: SparseSettings | None, mode: str, path) -> str | None:
+    """Why vLLM's rollouts would not compute the sparse attention of a model with these ``settings`` (``mode``:
+    TRL's ``vllm_mode``; ``path``: the folder vLLM loads in colocate mode), or ``None``: no sparse attention, or
+    vLLM computes it exactly (module docstring)."""
+    if settings is None or settings.attention_options is None:
+        return None
+    trains = f"this model trains {settings.attn} attention (hf_sparsemax)"
+    if mode == "server":
+        return (f"{trains}, and in vllm_mode='server' the rollouts come from a server whose attention hf_sparsemax "
+                "cannot see: use vllm_mode='colocate' on a folder saved with this attention, or use_vllm=False")
+    saved = folder_settings(path)
+    if saved is None or not same_attention(saved.attention_options, settings.attention_options):
+        loaded = "softmax" if saved is None or saved.attention_options is None else f"other {saved.attn} settings"
+        return (f"{trains}, and vLLM loads {str(path)!r}, whose attention is {loaded}: save the patched model "
+                "(save_pretrained) and train it loaded from that folder, or use_vllm=False")
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or []
+    if any(getattr(callback, "ramping", False) for callback in callbacks):
+        return (f"{trains}, and an alpha ramp (AlphaScheduleCallback) is in progress, which changes the attention "
+                "at every step where vLLM computes the saved one: use use_vllm=False for the conversion")
+    return None
+
+
+def same_attention(a, b) -> bool:
+    """Whether two attention options compute the same attention (the kernel and query chunks aside)."""
+    return a is not None and b is not None and dataclasses.replace(a, kernel="auto", chunk_size=None) \
+        == dataclasses.replace(b, kernel="auto", chunk_size=None)
 
 
 def folder_settings(path: str | os.PathLike | None) -> SparseSettings | None:
@@ -103,23 +131,26 @@ def rollout_refusal(trainer, model) -> str | None:
     """Why ``trainer``'s vLLM rollouts would not sample what ``model``'s patched loss trains, or ``None``.
 
     ``None`` too for a trainer without ``args.use_vllm``. Reads the trainer's ``args``: ``vllm_mode``,
-    ``generation_kwargs`` (its ``extra_args``, ``top_k``, ``top_p``), ``top_k``, ``top_p``; and in colocate
-    mode the folder vLLM loads, ``model.name_or_path``.
+    ``generation_kwargs`` (its ``extra_args``, ``top_k``, ``top_p``), ``top_k``, ``top_p``; in colocate mode
+    the folder vLLM loads, ``model.name_or_path``; and its callbacks (an alpha ramp in progress).
     """
     args = getattr(trainer, "args", None)
     if not getattr(args, "use_vllm", False):
         return None
     settings = SparseSettings.from_config(model.config)
     name = type(trainer).__name__
+    mode = getattr(args, "vllm_mode", "colocate")
+    path = getattr(getattr(trainer, "model", None), "name_or_path", None) or getattr(model, "name_or_path", None)
     try:
-        refuse_attention(settings)
+        reason = attention_refusal(trainer, settings, mode, path)
     except ValueError as error:
-        return f"{name} with use_vllm=True: {error}"
+        return f"{name} with use_vllm=True loads {path!r} into vLLM, which refuses it: {error}"
+    if reason is not None:
+        return f"{name} with use_vllm=True: {reason}"
     trained = trained_choice(settings)
     kwargs = dict(getattr(args, "generation_kwargs", None) or {})
     extra = dict(kwargs.get("extra_args") or {})
     top_k, top_p = kwargs.get("top_k", getattr(args, "top_k", None)), kwargs.get("top_p", getattr(args, "top_p", None))
-    mode = getattr(args, "vllm_mode", "colocate")
     fix = ("pass GRPOConfig(generation_kwargs=hf_sparsemax.vllm_generation_kwargs(model)) (the same for "
            "RLOOConfig), or use_vllm=False")
     if mode == "server":
@@ -132,11 +163,8 @@ def rollout_refusal(trainer, model) -> str | None:
                     f"{trained or 'softmax'}: {fix}; install hf-sparsemax in the server's environment")
         path, folder = None, None
     else:
-        path = getattr(getattr(trainer, "model", None), "name_or_path", None) or getattr(model, "name_or_path", None)
         try:
-            saved = folder_settings(path)
-            refuse_attention(saved)  # vLLM itself would refuse that folder
-            folder = trained_choice(saved)
+            folder = trained_choice(folder_settings(path))
         except ValueError as error:
             return f"{name} with use_vllm=True loads {path!r} into vLLM, which refuses it: {error}"
     try:
