@@ -145,6 +145,8 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, sliding_window=4,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # the middle one loops
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
+    # Ergo lays out its layers (every n-th attends to the whole context) and its MLPs at construction, for 64
+    "ergo": dict(num_hidden_layers=2, global_attention_every_n_layers=2, first_dense_intermediate_size=128),
     "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),  # its modeling
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),  # reads rope_theta, clamps qkv
 }
