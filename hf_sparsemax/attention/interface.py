@@ -308,7 +308,8 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
                            mapping=mapping, scaling=scaling, dropout=dropout if module.training else 0.0,
                            softcap=softcap, position_bias=position_bias, sinks=s_aux,
                            causal=is_causal(module, query.shape[-2], attention_mask, kwargs),
-                           weights=weights_requested(kwargs, module), options=own, learned=submodule(module, ALPHA_ATTR))
+                           weights=weights_requested(kwargs, module), options=own,
+                           learned=submodule(module, ALPHA_ATTR))
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
