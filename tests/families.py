@@ -53,8 +53,12 @@ FAMILIES = {
                                                  cls_token_id=1, sep_token_id=2), "encoder"),
 }
 # Families that moved onto the attention interface in a later transformers release join the sweep where the
-# installed release routes them (transformers 5.24: GPT-J); on older releases they are refused (test_attention).
+# installed release routes them (transformers 5.24: GPT-J; 5.25: Falcon, whose attention module takes
+# output_attentions by name and keeps it from its attention function); on older releases they are refused
+# (test_attention).
 NEWLY_ROUTED = {
+    "falcon": ("FalconForCausalLM", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                                         max_position_embeddings=64, bos_token_id=1, eos_token_id=2), "causal"),
     "gptj": ("GPTJForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, rotary_dim=4,
                                      bos_token_id=1, eos_token_id=2), "causal"),
 }

@@ -5,9 +5,9 @@ hides (those the library's softmax path weighs), trains, generates with and with
 path equals the model's; unpatch restores it; the sparse loss swaps or is refused) or REFUSED (``patch_model``
 raises one ValueError and leaves the model as it was), as ``hf_sparsemax.attention.families.family_verdict``
 predicts from the source. ``NOT_BUILT``: model types that no tiny config builds here, each with the reason (shown
-in the docs' table, never counted as checked; none with transformers 5.24). ``NOTES``: how a family was built where
-it is not plainly (a stand-in for an uninstalled library's vision tower, a composite's part, a drafter beside its
-target), shown in the table too.
+in the docs' table, never counted as checked; none with transformers 5.24 or 5.25). ``NOTES``: how a family was
+built where it is not plainly (a stand-in for an uninstalled library's vision tower, a composite's part, a drafter
+beside its target), shown in the table too.
 Run ``python tests/family_sweep.py`` to rewrite the table in docs/families.md.
 """
 
@@ -57,7 +57,7 @@ NO_FORWARD = {"mamba2": "the tiny config's heads do not fit its state size", "rw
 # MusicGen's causal-LM class is its decoder alone: built from that part of the composite config (text encoder, audio
 # encoder, decoder), with 1 codebook. Its tokens pad with the vocabulary's size (the released checkpoints: 2048, the
 # embedding's extra row, never predicted), and its own generate (a delay pattern over the codebooks) needs that as
-# decoder_start_token_id and num_return_sequences given: transformers 5.24's generation config leaves it None
+# decoder_start_token_id and num_return_sequences given: transformers 5.24 and 5.25's generation config leaves it None
 PART = {t: "decoder" for t in ("musicgen", "musicgen_melody")}  # model type -> the sub-config its class takes
 MUSICGEN = dict(ffn_dim=128, num_codebooks=1, pad_token_id=256, bos_token_id=256, decoder_start_token_id=256)
 GENERATE = {t: dict(pad_token_id=256, decoder_start_token_id=256, num_return_sequences=1) for t in PART}
@@ -145,6 +145,8 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, sliding_window=4,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # the middle one loops
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
+    # Ergo lays out its layers (every n-th attends to the whole context) and its MLPs at construction, for 64
+    "ergo": dict(num_hidden_layers=2, global_attention_every_n_layers=2, first_dense_intermediate_size=128),
     "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),  # its modeling
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),  # reads rope_theta, clamps qkv
 }
@@ -154,7 +156,7 @@ CONSTRUCT: dict[str, dict] = {  # model type -> settings its config is construct
 DRAFTERS = {"gemma4_assistant": "gemma4_text", "gemma4_unified_assistant": "gemma4_unified_text"}  # -> its target
 CONSTRUCT.update({t: dict(text_config=dict(GEMMA4, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
                           backbone_hidden_size=BASE["hidden_size"]) for t in DRAFTERS})  # no per-layer inputs
-NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds and runs here (transformers 5.24)
+NOT_BUILT: dict[str, str] = {}  # model type -> why no tiny config of it builds and runs here (transformers 5.24, 5.25)
 
 
 class NoVisionTower(nn.Module):
@@ -171,10 +173,10 @@ NOTES = {  # model type -> how it was built or what a swap leaves, where the tab
                "here), which text inputs never reach; the swap serves its text decoder, and its audio encoder "
                "(`Gemma3nAudioAttention`) keeps the softmax it hard-codes",
     **{t: "built from its composite config's decoder (its causal-LM class is the decoder alone), 1 codebook; its "
-          "`generate` needs `decoder_start_token_id` and `num_return_sequences` given (transformers 5.24 fails "
+          "`generate` needs `decoder_start_token_id` and `num_return_sequences` given (transformers 5.24 and 5.25 fail "
           "without them, patched or not)" for t in PART},
     **{t: f"a drafter: checked on its target's (`{target}`) outputs, and drafting for it in assisted `generate`; "
-          "its `num_assistant_tokens` set (transformers 5.24 leaves it None and drafting fails)"
+          "its `num_assistant_tokens` set (transformers 5.24 and 5.25 leave it None and drafting fails)"
        for t, target in DRAFTERS.items()},
 }
 
@@ -225,7 +227,7 @@ def build(model_type: str):
                 config, attn_implementation="eager").eval()
         else:
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    if model_type in DRAFTERS:  # tokens drafted a round: transformers 5.24 leaves it None, and its drafting fails
+    if model_type in DRAFTERS:  # tokens drafted a round: transformers 5.24 and 5.25 leave it None, and drafting fails
         model.generation_config.num_assistant_tokens = 2
     with torch.no_grad():
         for module in model.modules():

@@ -16,7 +16,7 @@ from families import FAMILIES, NEWLY_ROUTED, batch, tiny_model
 SPARSE = [("sparsemax", {}), ("entmax15", {}), ("entmax_bisect", {"alpha": 1.3}), ("sparse_softmax", {"top_k": 2}),
           ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True})]
 CAUSAL = [f for f, (_, _, kind) in FAMILIES.items() if kind == "causal"]
-HARD_CODED = ("falcon", "bloom", "deberta-v2", "xlnet", "longformer")  # softmax written into the modeling file
+HARD_CODED = ("bloom", "deberta-v2", "xlnet", "longformer")  # softmax written into the modeling file
 ATTENTION_OUTPUTS = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
 
 
@@ -120,7 +120,9 @@ def test_masks_left_to_the_attention_equal_the_eager_masks(family, monkeypatch):
         assert grads.keys() == eager_grads.keys()
         for parameter in grads:
             torch.testing.assert_close(grads[parameter], eager_grads[parameter], rtol=1e-4, atol=1e-6, msg=parameter)
-    if FAMILIES[family][2] == "causal" and family != "mistral":  # (mistral: every layer's window < 10 tokens)
+    # (mistral: every layer's window < 10 tokens; falcon builds its mask always, allow_is_causal_skip=False, to add
+    # ALiBi to it where its config asks)
+    if FAMILIES[family][2] == "causal" and family not in ("mistral", "falcon"):
         assert any(mask is None for mask in returned)  # the causal mask was left to the attention
 
 
@@ -339,7 +341,7 @@ def test_bad_attention_settings_raise_and_leave_the_model_untouched(kwargs):
     assert model.config.hf_sparsemax == before and model.config._attn_implementation == "entmax15"
 
 
-REFUSED = {  # families that hard-code softmax in their modeling file (GPT-J: up to transformers 5.23)
+REFUSED = {  # families that hard-code softmax in their modeling file (GPT-J: up to transformers 5.23, Falcon: 5.24)
     "falcon": lambda: FalconForCausalLM(FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                                      vocab_size=64)),
     "gptj": lambda: GPTJForCausalLM(GPTJConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32,
@@ -352,6 +354,31 @@ def test_families_that_hard_code_softmax_are_refused(family):
     with pytest.raises(ValueError, match="supported_families"):
         hs.patch_model(model, attn="sparsemax", loss="sparsemax")
     assert model.config._attn_implementation == implementation and not hasattr(model.config, "hf_sparsemax")
+
+
+class NamedRequest(torch.nn.Module):
+    """An attention module that takes ``output_attentions`` by name and does not pass it on to its attention
+    function (Falcon's from transformers 5.25; its decoder layers collect the weights it returns)."""
+
+    def forward(self, query, key, value, output_attentions=False):
+        return sparse_attention_forward(self, query, key, value, None, scaling=0.5, mapping="entmax15")
+
+
+def test_weights_come_back_to_a_module_given_output_attentions_by_name():
+    from hf_sparsemax.attention.blocked import pages
+
+    module = NamedRequest()
+    pages.install(module)  # patch_model's pre-hook on every attention module
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 6, 8, generator=generator) for _ in range(3))
+    out, weights = module(query, key, value, output_attentions=True)
+    assert weights is not None and weights.shape == (1, 2, 6, 6)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1, 2, 6))
+    expected = torch.matmul(weights, value).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert module(query, key, value)[1] is None  # not asked for: none (the next call forgets the last one's request)
+    pages.uninstall(module)
+    assert module(query, key, value, output_attentions=True)[1] is None
 
 
 def test_peft_lora_and_gradient_checkpointing():

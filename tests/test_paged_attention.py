@@ -178,7 +178,10 @@ def test_the_compiled_kernel_a_shared_plan_and_decode_rows_apart_equal_transform
             got[request].append(rows)
     for request, (q, k, v) in enumerate(seqs):
         expected = reference(module, attn, q, k, v)
-        torch.testing.assert_close(torch.cat(got[request]), expected, rtol=0, atol=2e-6)
+        # both float32 roundings of one result: against the same attention in float64 the compiled kernel is within
+        # 1.6e-6 and transformers' path within 8.5e-7 (outputs up to 2.7, float32's spacing 2.4e-7 there), on
+        # opposite sides at sparsemax's worst element, 2.1e-6 apart
+        torch.testing.assert_close(torch.cat(got[request]), expected, rtol=0, atol=3e-6)
     assert engine.done == [9, 14, 7]
 
 

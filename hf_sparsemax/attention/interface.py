@@ -59,7 +59,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocked.blocks import block_queries, causal_mask, threshold_attention, work_operands
-from .blocked.pages import filled_part, page_summary, take_layer
+from .blocked.pages import WEIGHTS_ATTR, filled_part, page_summary, take_layer
 from .blocked.decode import decode_attention, decoding_step
 from .blocked.step_memo import Memo
 from .query_scale import check_temperatures, scale_queries, submodule
@@ -308,7 +308,8 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
                            mapping=mapping, scaling=scaling, dropout=dropout if module.training else 0.0,
                            softcap=softcap, position_bias=position_bias, sinks=s_aux,
                            causal=is_causal(module, query.shape[-2], attention_mask, kwargs),
-                           weights=weights_requested(kwargs), options=own, learned=submodule(module, ALPHA_ATTR))
+                           weights=weights_requested(kwargs, module), options=own,
+                           learned=submodule(module, ALPHA_ATTR))
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -322,7 +323,7 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
     causal = is_causal(module, q_len, attention_mask, kwargs)
     if chunk is None and not torch.compiler.is_compiling():  # memory-bounded by default (eager)
         chunk = block_queries(query.shape[0], query.shape[1], q_len, key.shape[-2], device=query.device)
-    blocked = None if weights_requested(kwargs) else threshold_path(
+    blocked = None if weights_requested(kwargs, module) else threshold_path(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, position_bias=position_bias,
         sinks=s_aux, mapping=mapping)
     step = blocked is not None and (chunk is None or q_len <= chunk)
@@ -340,7 +341,7 @@ def scaled_attention_forward(module, query, key, value, attention_mask, scaling=
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     extras = dict(scaling=scaling, dropout=dropout, softcap=softcap, mapping=mapping)
-    if chunk is None or q_len <= chunk or weights_requested(kwargs):
+    if chunk is None or q_len <= chunk or weights_requested(kwargs, module):
         weights, out = attend(module, query, key=key, value=value, mask=attention_mask, position_bias=position_bias,
                               sinks=s_aux, causal=0 if causal else None, **extras)
         return out.transpose(1, 2).contiguous(), weights
@@ -429,13 +430,17 @@ def mask_function(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.
     return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
 
 
-def weights_requested(kwargs: dict[str, typing.Any]) -> bool:
-    """Whether the caller wants the attention weights: ``output_attentions`` passed, or transformers' output
-    capture (``output_attentions`` on a model whose attention modules do not pass it on) recording attentions."""
+def weights_requested(kwargs: dict[str, typing.Any], module: nn.Module | None = None) -> bool:
+    """Whether the caller wants the attention weights: ``output_attentions`` passed, given to the attention module
+    itself (one that takes it by name and keeps it from its attention function: its pre-hook noted it,
+    :data:`.blocked.pages.WEIGHTS_ATTR`), or transformers' output capture (``output_attentions`` on a model whose
+    attention modules do not pass it on) recording attentions."""
     if kwargs.get("output_attentions"):
         return True
     if torch.compiler.is_compiling():
         return False
+    if getattr(module, WEIGHTS_ATTR, False):
+        return True
     collector = output_collector()
     collected = collector.get() if collector is not None else None
     return bool(collected) and any(key.endswith("attentions") for key in collected)

@@ -55,6 +55,9 @@ GATHER_VALUES_BELOW = 0.25  # share of a head's keys with weight up to which P V
 ENVIRONMENT = "HF_SPARSEMAX_KV_SKIP"
 SUMMARY_ATTR = "hf_sparsemax_pages"  # on a cache layer: its PageSummary
 LAYER_ATTR = "_hf_sparsemax_cache_layer"  # on an attention module, from its pre-hook to its attention call
+# on an attention module, set by its pre-hook: whether this call was given output_attentions=True (a module that
+# takes it by name and does not pass it on to its attention function: Falcon from transformers 5.25)
+WEIGHTS_ATTR = "_hf_sparsemax_weights_asked"
 COUNTS = {"calls": 0, "pages": 0, "skipped": 0}  # attention calls that skipped, pages they had, pages not read
 
 
@@ -157,9 +160,11 @@ def follow_reorders(layer) -> None:
 
 def remember_cache(module, args, kwargs) -> None:
     """Forward pre-hook of an attention module: keep a reference to its cache layer for the attention call, and
-    mark whether the layer's summary still describes the keys the cache is about to extend."""
+    mark whether the layer's summary still describes the keys the cache is about to extend; note whether the call
+    asks for the attention weights (:data:`WEIGHTS_ATTR`)."""
     if torch.compiler.is_compiling():  # a compiled model takes the materialised path: nothing to hand over
         return None
+    vars(module)[WEIGHTS_ATTR] = bool(kwargs.get("output_attentions"))
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     layers, index = getattr(cache, "layers", None), getattr(module, "layer_idx", None)
     layer = None
@@ -181,6 +186,7 @@ def uninstall(module) -> None:
             del module._forward_pre_hooks[handle]
             module._forward_pre_hooks_with_kwargs.pop(handle, None)
     vars(module).pop(LAYER_ATTR, None)
+    vars(module).pop(WEIGHTS_ATTR, None)
 
 
 def take_layer(module):
