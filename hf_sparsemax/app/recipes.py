@@ -287,7 +287,7 @@ class Variant:
         from ..conversion import AlphaScheduleCallback, SelfDistillation
 
         for key, cls, names in (("alpha_schedule", AlphaScheduleCallback, ("share", "start")),
-                                ("distill", SelfDistillation, ("weight", "share"))):
+                                ("distill", SelfDistillation, ("weight", "share", "logit_weight", "logit_temperature"))):
             spec = getattr(self, key)
             if spec is None:
                 continue
