@@ -8,7 +8,7 @@ predicts from the source. ``NOT_BUILT``: model types that no tiny config builds 
 in the docs' table, never counted as checked; none with transformers 5.24). ``NOTES``: how a family was built where
 it is not plainly (a stand-in for an uninstalled library's vision tower, a composite's part, a drafter beside its
 target), shown in the table too.
-Run ``python tests/family_sweep.py`` to rewrite the table in docs/attention.md.
+Run ``python tests/family_sweep.py`` to rewrite the table in docs/families.md.
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def docs_section(text: str) -> str:
 
 
 if __name__ == "__main__":
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "attention.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "families.md")
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     if TABLE_START not in text:

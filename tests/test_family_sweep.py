@@ -18,10 +18,10 @@ def test_family_works_or_is_refused_at_patch_time(model_type):
 
 
 def test_docs_table_and_supported_families_agree_with_the_sweep():
-    with open("docs/attention.md", encoding="utf-8") as handle:
+    with open("docs/families.md", encoding="utf-8") as handle:
         text = handle.read()
     assert TABLE_START in text and TABLE_END in text
-    assert docs_section(text) == table(), "docs/attention.md's family table is stale: run python tests/family_sweep.py"
+    assert docs_section(text) == table(), "docs/families.md's family table is stale: run python tests/family_sweep.py"
     supported = set(hs.supported_families())
     for model_type in causal_lm_types():
         assert (model_type in supported) == (family_verdict(model_type) is None), model_type
