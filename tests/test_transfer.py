@@ -202,3 +202,18 @@ def test_logit_distillation_without_logits_or_weights_is_refused():
     for kwargs in ({"logit_weight": -1.0}, {"logit_temperature": 0.0}, {"logit_temperature": float("inf")}):
         with pytest.raises(ValueError):
             hs.SelfDistillation(**kwargs)
+
+
+def test_the_alpha_schedule_refuses_alphas_fitted_per_head_instead_of_discarding_them():
+    from types import SimpleNamespace
+
+    model = hs.patch_model(tiny_llama(), attn="entmax_bisect",
+                           attn_options={"alpha": 1.5, "learn_alpha": True, "temperature": True})
+    callback = hs.AlphaScheduleCallback(share=0.5, start=1.01)
+    callback.on_train_begin(None, SimpleNamespace(global_step=0, max_steps=4), None, model=model)  # fresh: fine
+    fresh = hs.patch_model(tiny_llama(), attn="entmax_bisect",
+                           attn_options={"alpha": 1.5, "learn_alpha": True, "temperature": True})
+    hs.transfer_attention(fresh, [batch()], steps=0, dense_heads=1)
+    with pytest.raises(ValueError, match="without the alpha schedule"):
+        hs.AlphaScheduleCallback().on_train_begin(None, SimpleNamespace(global_step=0, max_steps=4), None,
+                                                  model=fresh)

@@ -135,16 +135,33 @@ def choose_wide(per_head: list[torch.Tensor], budget: int, groups: list[int], by
     return sorted(chosen)
 
 
-def check_budget(dense_heads, total: int) -> int:
+def check_budget(dense_heads, total: float) -> int:
     """``dense_heads`` as a count of query heads, or a ``ValueError``."""
     if isinstance(dense_heads, bool) or not isinstance(dense_heads, (int, float)) or not math.isfinite(dense_heads):
         raise ValueError(f"dense_heads must be a share in [0, 1) or a count of heads, got {dense_heads!r}")
     if isinstance(dense_heads, float) and 0 <= dense_heads < 1:
-        return round(dense_heads * total)
+        return round(dense_heads * total) if total < math.inf else 0
     if isinstance(dense_heads, int) and 0 <= dense_heads <= total:
-        return dense_heads
+        return dense_heads if total < math.inf else 0
     raise ValueError(f"dense_heads must be a share in [0, 1) or a whole number of heads in [0, {total}], "
                      f"got {dense_heads!r}")
+
+
+def check_arguments(steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
+                    rows_per_batch: int = DEFAULT_ROWS, dense_heads: float | int = 0,
+                    dense_alpha: float = DEFAULT_DENSE_ALPHA, by_group: bool = False) -> None:
+    """:func:`transfer_attention`'s options, or a ``ValueError`` naming the first one out of range."""
+    for name, value, low in (("steps", steps, 0), ("rows_per_batch", rows_per_batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float))
+            or not 0 < learning_rate < math.inf):
+        raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate!r}")
+    if isinstance(dense_alpha, bool) or not isinstance(dense_alpha, (int, float)) or not 1 < dense_alpha < 2:
+        raise ValueError(f"dense_alpha must be an alpha in (1, 2), got {dense_alpha!r}")
+    if not isinstance(by_group, bool):
+        raise ValueError(f"by_group must be True or False, got {by_group!r}")
+    check_budget(dense_heads, math.inf)
 
 
 def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int = DEFAULT_STEPS,
@@ -166,13 +183,7 @@ def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int =
     "error_calibrated", "error_after", "dense_heads": [[layer, head], ...]}``: relative output errors on these
     batches, per layer and their means.
     """
-    for name, value, low in (("steps", steps, 0), ("rows_per_batch", rows_per_batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
-    if isinstance(dense_alpha, bool) or not isinstance(dense_alpha, (int, float)) or not 1 < dense_alpha < 2:
-        raise ValueError(f"dense_alpha must be an alpha in (1, 2), got {dense_alpha!r}")
+    check_arguments(steps, learning_rate, rows_per_batch, dense_heads, dense_alpha, by_group)
     inner = base_model(model)
     settings = SparseSettings.from_config(inner.config)
     modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
