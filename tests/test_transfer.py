@@ -217,3 +217,21 @@ def test_the_alpha_schedule_refuses_alphas_fitted_per_head_instead_of_discarding
     with pytest.raises(ValueError, match="without the alpha schedule"):
         hs.AlphaScheduleCallback().on_train_begin(None, SimpleNamespace(global_step=0, max_steps=4), None,
                                                   model=fresh)
+
+
+def test_min_alpha_bounds_the_fitted_alphas_and_at_the_target_leaves_them_there():
+    parent = tiny_llama(seed=6)
+    options = {"alpha": 1.5, "learn_alpha": True, "temperature": True}
+    free = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect", attn_options=options),
+                                 [batch(seed=7)], steps=20)
+    bounded = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect",
+                                                   attn_options=options), [batch(seed=7)], steps=20, min_alpha=1.4)
+    at_target = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect",
+                                                     attn_options=options), [batch(seed=7)], steps=20, min_alpha=1.5)
+    alphas = lambda report: [a for layer in report["layers"] for a in layer["alphas"]]  # noqa: E731
+    assert min(alphas(free)) < 1.4  # the free fit goes below the bound
+    assert min(alphas(bounded)) >= 1.4 - 1e-5
+    assert min(alphas(at_target)) == pytest.approx(1.5, abs=1e-5)
+    assert free["error_after"] <= bounded["error_after"] + 1e-6
+    with pytest.raises(ValueError, match="min_alpha"):
+        hs.transfer_attention(copy.deepcopy(parent), [batch()], min_alpha=1.0)

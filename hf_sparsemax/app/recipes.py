@@ -36,7 +36,7 @@ from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
 TRANSFER_FIELDS = ("blocks", "block_size", "steps", "learning_rate", "rows_per_batch", "dense_heads", "dense_alpha",
-                   "by_group")  # a variant's `transfer`: where its blocks come from, then transfer_attention's own
+                   "by_group", "min_alpha")  # a variant's `transfer`: where its blocks come from, then transfer_attention's own
 
 
 RECIPE_DIR = recipe_dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shipped recipes
@@ -251,7 +251,7 @@ class Variant:
     (needs ``lora``); ``calibrate`` (a number of training batches, with ``attn_options.temperature``): the
     per-head temperatures fitted on them by :func:`hf_sparsemax.calibrate_attention` before training;
     ``transfer`` (``{blocks, block_size, steps, learning_rate, rows_per_batch, dense_heads, dense_alpha,
-    by_group}``, each optional): :func:`hf_sparsemax.transfer_attention` before training, on ``blocks`` blocks
+    by_group, min_alpha}``, each optional): :func:`hf_sparsemax.transfer_attention` before training, on ``blocks`` blocks
     of ``block_size`` tokens (a multiple of ``data.block_size``, never shorter: consecutive training blocks
     joined). ``null``: off.
     """

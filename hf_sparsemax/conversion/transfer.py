@@ -85,9 +85,15 @@ def trained_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def fit_gradient(module: nn.Module, records: list[Record], temperatures: list[float], steps: int,
-                 learning_rate: float, energy: float) -> tuple[list[float], float]:
-    """Adam on the layer's relative error (module docstring) from ``temperatures``; the best parameters seen are
-    left in the module. Returns ``(temperatures, relative error)``."""
+                 learning_rate: float, energy: float, min_alpha: float | None = None) -> tuple[list[float], float]:
+    """Adam on the layer's relative error (module docstring) from ``temperatures``, a learned alpha kept at or
+    above ``min_alpha`` (projected after each step); the best parameters seen are left in the module. Returns
+    ``(temperatures, relative error)``."""
+    learned = submodule(module, ALPHA_ATTR)
+    floor = None if learned is None or min_alpha is None else pre_alpha_of(min_alpha)
+    if floor is not None:
+        with torch.no_grad():
+            learned.pre_alpha.clamp_(min=floor)
     log_t = torch.tensor(temperatures, dtype=torch.float32).log().requires_grad_(True)
     params = trained_parameters(module)
     flags = [p.requires_grad for p in params]
@@ -106,6 +112,9 @@ def fit_gradient(module: nn.Module, records: list[Record], temperatures: list[fl
                 break
             error.backward()
             optimizer.step()
+            if floor is not None:
+                with torch.no_grad():
+                    learned.pre_alpha.clamp_(min=floor)
     finally:
         with torch.no_grad():
             if best[2] is not None:
@@ -149,8 +158,12 @@ def check_budget(dense_heads, total: float) -> int:
 
 def check_arguments(steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
                     rows_per_batch: int = DEFAULT_ROWS, dense_heads: float | int = 0,
-                    dense_alpha: float = DEFAULT_DENSE_ALPHA, by_group: bool = False) -> None:
+                    dense_alpha: float = DEFAULT_DENSE_ALPHA, by_group: bool = False,
+                    min_alpha: float | None = None) -> None:
     """:func:`transfer_attention`'s options, or a ``ValueError`` naming the first one out of range."""
+    if min_alpha is not None and (isinstance(min_alpha, bool) or not isinstance(min_alpha, (int, float))
+                                  or not 1 < min_alpha < 2):
+        raise ValueError(f"min_alpha must be an alpha in (1, 2) or None, got {min_alpha!r}")
     for name, value, low in (("steps", steps, 0), ("rows_per_batch", rows_per_batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -167,15 +180,18 @@ def check_arguments(steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_L
 def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int = DEFAULT_STEPS,
                        learning_rate: float = DEFAULT_LEARNING_RATE, rows_per_batch: int = DEFAULT_ROWS,
                        dense_heads: float | int = 0, dense_alpha: float = DEFAULT_DENSE_ALPHA,
-                       by_group: bool = False, progress: bool = False) -> dict[str, Any]:
+                       by_group: bool = False, min_alpha: float | None = None,
+                       progress: bool = False) -> dict[str, Any]:
     """Fit each attention layer of a patched model to the model's own softmax attention (module docstring).
 
     ``model``: patched with a sparse attention and per-head temperatures (``attn_options={"temperature": True}``,
     plus ``learn_alpha`` / ``length_scale`` to fit those too), or a ``PeftModel`` around one. ``batches``: a few
     long blocks of the user's text (dicts of model inputs, ``labels`` ignored), as long as the contexts the model
     will see. ``steps`` / ``learning_rate``: Adam on each layer's error (0 steps: the calibration grid alone);
-    ``rows_per_batch``: query rows of each batch the fit reads; ``dense_heads``, ``dense_alpha``, ``by_group``:
-    heads kept wide (module docstring; 0: none).
+    ``rows_per_batch``: query rows of each batch the fit reads; ``min_alpha``: learned alphas kept at or above it
+    (fitted freely, the alphas fall towards 1, softmax's shape, and the supports widen: the bound trades the
+    fit for sparsity; at the patched alpha, the alphas stay there and only the temperatures and the length scale
+    move); ``dense_heads``, ``dense_alpha``, ``by_group``: heads kept wide (module docstring; 0: none).
 
     The fitted temperatures go to the modules and ``config.hf_sparsemax`` (``save_pretrained`` keeps them), the
     alphas and length scales to their parameters (saved with the weights). Returns ``{"layers": [{"layer",
@@ -183,7 +199,7 @@ def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int =
     "error_calibrated", "error_after", "dense_heads": [[layer, head], ...]}``: relative output errors on these
     batches, per layer and their means.
     """
-    check_arguments(steps, learning_rate, rows_per_batch, dense_heads, dense_alpha, by_group)
+    check_arguments(steps, learning_rate, rows_per_batch, dense_heads, dense_alpha, by_group, min_alpha)
     inner = base_model(model)
     settings = SparseSettings.from_config(inner.config)
     modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
@@ -207,7 +223,7 @@ def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int =
             temperatures, before, calibrated = fit_layer(module, rows, ROUNDS)
         after = calibrated
         if steps:
-            temperatures, after = fit_gradient(module, rows, temperatures, steps, learning_rate, energy)
+            temperatures, after = fit_gradient(module, rows, temperatures, steps, learning_rate, energy, min_alpha)
         getattr(module, TEMPERATURE_ATTR).assign(temperatures)
         with torch.no_grad():
             log_t = torch.tensor(temperatures).log()
