@@ -10,7 +10,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a bare i
     ) from error
 
 from .attention import LearnedAlpha, register_attention, supported_families
-from .conversion import AlphaScheduleCallback, SelfDistillation, distillation_trainer
+from .conversion import AlphaScheduleCallback, SelfDistillation, distillation_trainer, transfer_attention
 from .losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
@@ -76,6 +76,7 @@ __all__ = [
     "HeadTemperature",
     "LengthScale",
     "calibrate_attention",
+    "transfer_attention",
     "query_scale_parameters",
     "supported_families",
     "Entmax15Loss",

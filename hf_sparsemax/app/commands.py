@@ -191,6 +191,9 @@ def run_variant(recipe: Recipe, variant: Variant, base_model, tokenizer, train_s
     if variant.calibrate is not None:
         with runner.timed(parts, "calibrate"):
             fitted = runner.calibrate(model, variant, train_set, recipe.training_args(variant).get("per_device_train_batch_size", 8))
+    if variant.transfer is not None:
+        with runner.timed(parts, "transfer"):
+            fitted = runner.transfer(model, variant, train_set)
     trainer = runner.make_trainer(recipe, variant, model, tokenizer, train_set, eval_set, work,
                                   num_labels=len(labels) if labels else None, custom_loss=custom_loss)
     results: dict[str, Any] = {"variant": variant.name, "attn": describe(variant.attn, variant.attn_options),
@@ -274,7 +277,7 @@ def changes(recipe: Recipe, variant: Variant) -> str:
             ("loss", variant.loss, variant.loss_options, recipe.loss, recipe.loss_options)):
         if (name, options) != (base, base_options):
             parts.append(f"{what} -> {describe(name, options)}")
-    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "scale_learning_rate", "calibrate",
+    parts += [f"{key} {getattr(variant, key)}" for key in ("alpha_learning_rate", "scale_learning_rate", "calibrate", "transfer",
                                                             "alpha_schedule", "distill") if getattr(variant, key) is not None]
     parts += [f"training.{key}={value}" for key, value in variant.training.items()
               if recipe.training.get(key) != value]

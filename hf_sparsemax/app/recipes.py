@@ -34,6 +34,8 @@ from ..mappings import registry
 from ..settings import SparseSettings
 
 TASKS = ("causal_lm", "sequence_classification")
+TRANSFER_FIELDS = ("blocks", "block_size", "steps", "learning_rate", "rows_per_batch", "dense_heads", "dense_alpha",
+                   "by_group", "min_alpha")  # a variant's `transfer`: where its blocks come from, then transfer_attention's own
 
 
 def recipe_dir(package_dir: str) -> str:
@@ -255,7 +257,11 @@ class Variant:
     target over ``share`` of the steps; ``distill`` (``{weight, share}``): :class:`hf_sparsemax.SelfDistillation`,
     the model's own softmax attention outputs (adapter off) matched during the first ``share`` of the steps
     (needs ``lora``); ``calibrate`` (a number of training batches, with ``attn_options.temperature``): the
-    per-head temperatures fitted on them by :func:`hf_sparsemax.calibrate_attention` before training. ``null``: off.
+    per-head temperatures fitted on them by :func:`hf_sparsemax.calibrate_attention` before training;
+    ``transfer`` (``{blocks, block_size, steps, learning_rate, rows_per_batch, dense_heads, dense_alpha,
+    by_group, min_alpha}``, each optional): :func:`hf_sparsemax.transfer_attention` before training, on ``blocks`` blocks
+    of ``block_size`` tokens (a multiple of ``data.block_size``, never shorter: consecutive training blocks
+    joined). ``null``: off.
     """
 
     name: str
@@ -269,6 +275,7 @@ class Variant:
     alpha_schedule: dict[str, Any] | None = None
     distill: dict[str, Any] | None = None
     calibrate: int | None = None
+    transfer: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.check_conversion()
@@ -290,12 +297,31 @@ class Variant:
                 raise ValueError(f"{key} is the learning rate {what} to true, or drop it")
             setattr(self, key, rate)
 
+    def check_transfer(self) -> None:
+        """``transfer``: null or a mapping of :data:`TRANSFER_FIELDS` (the values checked as the recipe loads)."""
+        if self.transfer is None:
+            return
+        spec = self.transfer
+        if not isinstance(spec, dict) or set(spec) - set(TRANSFER_FIELDS):
+            raise ValueError(f"transfer must be null or a mapping of {list(TRANSFER_FIELDS)}, got {spec!r}")
+        if not (self.attn_options or {}).get("temperature"):
+            raise ValueError("transfer fits per-head temperatures: set attn_options.temperature to true")
+        if self.calibrate is not None:
+            raise ValueError("transfer starts from the calibration's grid itself: drop calibrate")
+        for key in ("blocks", "block_size"):
+            value = spec.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"transfer.{key} must be a positive integer, got {value!r}")
+        from ..conversion.transfer import check_arguments
+
+        check_arguments(**{k: v for k, v in spec.items() if k not in ("blocks", "block_size")})
+
     def check_conversion(self) -> None:
         """``alpha_schedule`` / ``distill``: null or a mapping of the callback's / term's own arguments."""
         from ..conversion import AlphaScheduleCallback, SelfDistillation
 
         for key, cls, names in (("alpha_schedule", AlphaScheduleCallback, ("share", "start")),
-                                ("distill", SelfDistillation, ("weight", "share"))):
+                                ("distill", SelfDistillation, ("weight", "share", "logit_weight", "logit_temperature"))):
             spec = getattr(self, key)
             if spec is None:
                 continue
@@ -307,6 +333,7 @@ class Variant:
             raise ValueError(f"calibrate must be a number of training batches (>= 1) or null, got {self.calibrate!r}")
         if self.calibrate is not None and not (self.attn_options or {}).get("temperature"):
             raise ValueError("calibrate fits per-head temperatures: set attn_options.temperature to true")
+        self.check_transfer()
         if self.alpha_schedule is not None and self.attn not in ("sparsemax", "entmax15", "entmax_bisect"):
             raise ValueError(f"alpha_schedule anneals alpha-entmax: attn must be sparsemax, entmax15 or "
                              f"entmax_bisect, not {self.attn!r}")
@@ -352,8 +379,14 @@ class Recipe:
         self.seeds = check_seeds(self.seeds)
         if not isinstance(self.variants, dict):
             raise RecipeError("variants must be a mapping from a name to {attn, attn_options, loss, loss_options, "
-                              "training, alpha_learning_rate, scale_learning_rate, alpha_schedule, distill, calibrate}")
+                              "training, alpha_learning_rate, scale_learning_rate, alpha_schedule, distill, calibrate, "
+                              "transfer}")
         for variant in self.all_variants():  # validates names, options and training overrides of every variant
+            size = (variant.transfer or {}).get("block_size")
+            if size is not None and self.data.block_size and (size < self.data.block_size or size % self.data.block_size):
+                raise RecipeError(f"variants.{variant.name}.transfer.block_size={size}: the transfer's blocks join "
+                                  f"whole training blocks and are never shorter than the blocks the model trains on: "
+                                  f"a multiple of data.block_size={self.data.block_size}")
             if variant.distill is not None and self.lora is None:
                 raise RecipeError(f"variants.{variant.name}.distill: self-distillation's teacher is the base model "
                                   "with the LoRA adapter disabled; set `lora` (or drop distill)")

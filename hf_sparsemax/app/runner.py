@@ -180,6 +180,35 @@ def calibrate(model, variant: Variant, train_set, batch_size: int) -> dict[str, 
                             "batches": len(batches), "seconds": round(time.perf_counter() - start, 1)}}
 
 
+def transfer(model, variant: Variant, train_set) -> dict[str, Any]:
+    """:func:`hf_sparsemax.transfer_attention` on ``variant.transfer``'s blocks: consecutive training blocks joined
+    into ``blocks`` sequences of ``block_size`` tokens (the packed training text is one stream, so joined blocks are
+    running text). Returns ``temperatures`` and ``transfer`` (the relative output errors before, calibrated and
+    after, per layer too, the heads kept wide, the seconds)."""
+    spec = dict(variant.transfer)
+    count, size = spec.pop("blocks", 1), spec.pop("block_size", None)
+    stride = len(train_set[0]["input_ids"])
+    size = size or stride
+    per = size // stride
+    if count * per > len(train_set):
+        raise RecipeError(f"variants.{variant.name}.transfer: {count} blocks of {size} tokens need {count * per} "
+                          f"training blocks of {stride}; data.train_size holds {len(train_set)}")
+    batches = []
+    for index in range(count):
+        ids = torch.cat([train_set[index * per + j]["input_ids"] for j in range(per)])[None]
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    from ..conversion.transfer import transfer_attention
+
+    start = time.perf_counter()
+    report = transfer_attention(model, batches, progress=True, **spec)
+    return {"temperatures": [layer["temperatures"] for layer in report["layers"]],
+            "transfer": {"error_before": report["error_before"], "error_calibrated": report["error_calibrated"],
+                         "error_after": report["error_after"], "dense_heads": report["dense_heads"],
+                         "layers": [[layer[k] for k in ("error_before", "error_calibrated", "error_after")]
+                                    for layer in report["layers"]],
+                         "blocks": count, "block_size": size, "seconds": round(time.perf_counter() - start, 1)}}
+
+
 def variant_mapping(variant: Variant):
     return loss_mapping(variant.loss or "cross_entropy", **variant.loss_options)
 

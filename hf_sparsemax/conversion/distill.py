@@ -16,6 +16,14 @@ the same reason), where a KL on the logits reaches layer ``l`` only through ever
 held-out cross-entropy already trains the logits. Calibration (``calibrate``) fits the same quantity, once,
 at patch time; distillation keeps fitting it while the adapter learns.
 
+Logit distillation (``logit_weight > 0``; LoLCATs' second stage, RADLADS): the parent's next-token distribution
+as a second target, ``logit_weight * tau^2 * KL(softmax(z_t / tau) || softmax(z_s / tau))`` averaged over the
+tokens the mask keeps (``z_t`` / ``z_s`` the teacher's / student's logits, ``tau`` = ``logit_temperature``). The
+LM head stays softmax, so this KL is finite where one between sparse attention weights would not be. It reaches
+every layer through the ones above it; the per-layer term (``weight``; 0 turns it off) stays beside it as an
+auxiliary. The student's logits are the ones its forward returned: a model whose loss never builds them (the
+fused output-head loss) cannot use it and is refused.
+
 The term is added to the training loss during the first ``share`` of the steps (``step < max(1, round(share *
 max_steps))``, halves up), then dropped: the model then trains on the data alone. Under gradient accumulation
 an optimizer step's term is the mean of its micro-batches' terms (:func:`micro_batch_share`), as the
@@ -100,6 +108,28 @@ def relative_error(student: list[torch.Tensor], teacher: list[torch.Tensor], mas
     return torch.stack(terms).mean()
 
 
+LOGIT_ROWS = 256  # token rows of the vocabulary's log-softmax computed at once (bounds the KL's memory)
+
+
+def logit_divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """``tau^2 * mean_i m_i KL(softmax(t_i / tau) || softmax(s_i / tau))`` over tokens (logits ``[B, T, V]``),
+    computed ``LOGIT_ROWS`` token rows at a time in float32."""
+    if student.shape != teacher.shape:
+        raise ValueError(f"student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ")
+    s, t = student.flatten(0, -2), teacher.detach().flatten(0, -2)
+    weight = (torch.ones(s.shape[0], device=s.device) if mask is None
+              else mask.to(s.device, torch.float32).reshape(-1)[: s.shape[0]])
+    total = s.new_zeros((), dtype=torch.float32)
+    for start in range(0, s.shape[0], LOGIT_ROWS):
+        rows = slice(start, start + LOGIT_ROWS)
+        log_s = torch.log_softmax(s[rows].float() / temperature, -1)
+        log_t = torch.log_softmax(t[rows].float() / temperature, -1)
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+        total = total + (kl * weight[rows]).sum()
+    return total * temperature ** 2 / weight.sum().clamp_min(1.0)
+
+
 class SelfDistillation:
     """The distillation term (module docstring): ``weight`` and the ``share`` of the steps it is on.
 
@@ -114,12 +144,20 @@ class SelfDistillation:
     ``share`` of ``max_steps``). ``last`` holds the last term's value (a float), for logs and tests.
     """
 
-    def __init__(self, weight: float = DEFAULT_WEIGHT, share: float = DEFAULT_SHARE) -> None:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"weight must be a number > 0, got {weight!r}")
+    def __init__(self, weight: float = DEFAULT_WEIGHT, share: float = DEFAULT_SHARE, logit_weight: float = 0.0,
+                 logit_temperature: float = 1.0) -> None:
+        for name, value in (("weight", weight), ("logit_weight", logit_weight)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if not weight > 0 and not logit_weight > 0:
+            raise ValueError("weight and logit_weight are both 0: the distillation would add nothing")
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ValueError(f"share must be a number in (0, 1] (the share of the training steps), got {share!r}")
+        if (isinstance(logit_temperature, bool) or not isinstance(logit_temperature, (int, float))
+                or not 0 < logit_temperature < float("inf")):
+            raise ValueError(f"logit_temperature must be a finite number > 0, got {logit_temperature!r}")
         self.weight, self.share = float(weight), float(share)
+        self.logit_weight, self.logit_temperature = float(logit_weight), float(logit_temperature)
         self.last: float | None = None
 
     def active(self, step: int, max_steps: int) -> bool:
@@ -132,14 +170,31 @@ class SelfDistillation:
 
     def teacher(self, model, inputs: dict) -> list[torch.Tensor]:
         """The teacher's attention outputs on ``inputs`` (no ``labels``: the teacher computes no loss)."""
+        return self.teacher_pass(model, inputs)[0]
+
+    def teacher_pass(self, model, inputs: dict) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The teacher's attention outputs on ``inputs`` and its logits (None where its forward returns none)."""
         batch = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
         with teacher_mode(model), captured_outputs(model) as outputs:
-            model(**batch)
-        return [t.detach() for t in outputs]
+            result = model(**batch)
+        return [t.detach() for t in outputs], getattr(result, "logits", None)
 
-    def term(self, model, inputs: dict, student: list[torch.Tensor]) -> torch.Tensor:
-        """``weight`` times the relative error of ``student``'s attention outputs against the teacher's."""
-        value = self.weight * relative_error(student, self.teacher(model, inputs), inputs.get("attention_mask"))
+    def term(self, model, inputs: dict, student: list[torch.Tensor],
+             student_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` times the relative error of ``student``'s attention outputs against the teacher's, plus
+        ``logit_weight`` times the KL of the student's logits from the teacher's (module docstring)."""
+        attention, logits = self.teacher_pass(model, inputs)
+        mask = inputs.get("attention_mask")
+        value = 0.0
+        if self.weight > 0:
+            value = self.weight * relative_error(student, attention, mask)
+        if self.logit_weight > 0:
+            if student_logits is None or logits is None:
+                raise ValueError("logit distillation needs the student's and the teacher's logits; this model's "
+                                 "forward returned none (a fused output-head loss builds no logits: use "
+                                 "logit_weight=0 there)")
+            value = value + self.logit_weight * logit_divergence(student_logits, logits, mask,
+                                                                 self.logit_temperature)
         self.last = float(value.detach())
         return value
 
@@ -168,7 +223,8 @@ def distillation_trainer(trainer_class, distillation: SelfDistillation):
             with distillation.student(model) as outputs:
                 loss, out = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
             share = micro_batch_share(self, kwargs.get("num_items_in_batch"))
-            loss = loss + distillation.term(model, inputs, outputs) * share
+            logits = getattr(out, "logits", None) if distillation.logit_weight > 0 else None
+            loss = loss + distillation.term(model, inputs, outputs, logits) * share
             return (loss, out) if return_outputs else loss
 
         def log(self, logs, *args, **kwargs):

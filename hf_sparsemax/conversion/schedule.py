@@ -136,6 +136,19 @@ class AlphaScheduleCallback(TrainerEvents):
             if heat.learn:
                 heat.log_temperature.requires_grad_(grad if fraction is None else False)
 
+    def _check_fresh_alphas(self) -> None:
+        """The ramp ends by restarting every learned alpha at the target: refuse alphas that already hold other
+        values (fitted per head by :func:`~hf_sparsemax.transfer_attention`, or trained), which it would discard."""
+        if not self._plan["learned"]:
+            return
+        start = pre_alpha_of(self._plan["target"])  # learned alphas start below 2 (LearnedAlpha)
+        for module in self._plan["learned"]:
+            values = module.pre_alpha.detach().float()
+            if not torch.allclose(values, torch.full_like(values, start), rtol=0, atol=1e-6):
+                raise ValueError("AlphaScheduleCallback restarts the learned alphas at the target after its ramp; "
+                                 "this model's alphas already differ from it per head (fitted by transfer_attention "
+                                 "or trained): train without the alpha schedule to keep them")
+
     # -- the two states: on the ramp at alpha a, or the target as patched
 
     def _ramp(self, alpha: float) -> None:
@@ -185,6 +198,8 @@ class AlphaScheduleCallback(TrainerEvents):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._plan = self._read(model)
+        if state.global_step == 0:
+            self._check_fresh_alphas()
         self._plan["steps"] = share_steps(self.share, state.max_steps)
         self._step(state.global_step)  # a resumed run starts where its steps left the ramp
 
