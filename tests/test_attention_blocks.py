@@ -24,7 +24,9 @@ SETUPS = {  # name -> (attention, attn_options)
     "entmax15": ("entmax15", {}),
     "bisect13": ("entmax_bisect", {"alpha": 1.3}),
     "learned": ("entmax_bisect", {"alpha": 1.4, "learn_alpha": True}),
+    "hybrid": ("entmax_bisect", {"alpha": 1.5, "learn_alpha": True}),  # heads 0 and 3 kept wide at alpha 1.2
 }
+HYBRID_ALPHAS = (1.2, 1.5, 1.5, 1.2)  # transfer_attention's dense_heads: a mixed model, every path exact on it
 
 
 def masks(length: int = L) -> dict[str, torch.Tensor | None]:
@@ -58,7 +60,11 @@ def module_for(setup: str, dtype=torch.float32) -> tuple[torch.nn.Module, str]:
         kind = Float64Alpha if dtype == torch.float64 else LearnedAlpha
         module.add_module(ALPHA_ATTR, kind(H, options["alpha"]).to(dtype))
         with torch.no_grad():
-            module.hf_sparsemax_alpha.pre_alpha.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
+            if setup == "hybrid":
+                alphas = torch.tensor(HYBRID_ALPHAS, dtype=torch.float64)
+                module.hf_sparsemax_alpha.pre_alpha.copy_(((alphas - 1) / (2 - alphas)).log())
+            else:
+                module.hf_sparsemax_alpha.pre_alpha.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
     return module, attn
 
 
@@ -113,7 +119,7 @@ def test_blocked_path_equals_the_materialised_formula(setup, budget, gather, mon
         module.is_causal = name == "is_causal"
         q, k, v = inputs()
         grad = torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(2))
-        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else [])
         out, weights = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
         assert weights is None  # the blocked path was taken: no weights held
         got = torch.autograd.grad((out * grad).sum(), leaves)
@@ -235,7 +241,7 @@ def test_keys_no_query_weighs_are_left_out_of_p_v_and_the_backward(setup, mask, 
         module, attn = module_for(setup)
         module.is_causal = mask == "is_causal"
         q, k, v = far_keys(length, far)
-        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else [])
         out, _ = sparse_attention_forward(module, q, k, v, given_mask, scaling=0.4, mapping=attn)
         parts = threshold_node(out).parts
         results[gather] = out, torch.autograd.grad(out.square().sum(), leaves)
@@ -291,7 +297,7 @@ def test_first_and_second_derivatives_in_float64(setup, causal, gather, monkeypa
     module.is_causal = causal == "is_causal"
     q, k, v = [t.detach().double().requires_grad_() for t in inputs(length=5)]
     mask = None if module.is_causal else masks(5)["causal"].double()
-    alpha = [module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else []
+    alpha = [module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else []
 
     def fn(q, k, v, *pre_alpha):
         return sparse_attention_forward(module, q, k, v, mask, mapping=attn)[0]
@@ -321,7 +327,7 @@ def test_compiled_kernels_equal_the_materialised_formula(setup, gather, compiled
     module, attn = module_for(setup)
     q, k, v = inputs()
     mask = masks()["causal+padding"]
-    leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+    leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else [])
     out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
     got = torch.autograd.grad(out.square().sum(), leaves)
     reference = materialised(module, setup, q, k, v, mask, 0.4)

@@ -37,7 +37,7 @@ def test_solving_over_the_candidates_equals_the_materialised_formula_in_float64(
         module.is_causal = name == "is_causal"
         q, k, v = inputs(torch.float64)
         mask = None if mask is None else mask.double().masked_fill(mask == mask.min(), torch.finfo(torch.float64).min)
-        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else [])
+        leaves = [q, k, v] + ([module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else [])
         with torch.set_grad_enabled(grad):
             out, _ = sparse_attention_forward(module, q, k, v, mask, scaling=0.4, mapping=attn)
         causal = masks()["causal"].double().masked_fill(masks()["causal"] < 0, torch.finfo(torch.float64).min)

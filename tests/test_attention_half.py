@@ -53,7 +53,7 @@ def test_half_output_and_gradients_are_the_float32_computation_rounded(dtype, se
         module.is_causal = name == "is_causal"
         q, k, v = (t.detach().to(dtype).requires_grad_() for t in inputs())
         grad = torch.randn(B, L, H, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
-        alpha = [module.hf_sparsemax_alpha.pre_alpha] if setup == "learned" else []
+        alpha = [module.hf_sparsemax_alpha.pre_alpha] if SETUPS[setup][1].get("learn_alpha") else []
         out, weights = sparse_attention_forward(module, q, k, v, half_mask(mask, dtype), scaling=0.4, mapping=attn)
         assert weights is None and not materialised_calls and out.dtype == dtype, name
         got = torch.autograd.grad((out.float() * grad.float()).sum(), [q, k, v, *alpha])

@@ -103,15 +103,15 @@ def test_wide_heads_get_the_dense_alpha_and_the_largest_error_shares():
     parent = tiny_llama(seed=4, layers=3)
     model = hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect",
                            attn_options={"alpha": 1.5, "learn_alpha": True, "temperature": True})
-    report = hs.transfer_attention(model, [batch(seed=5)], steps=5, dense_heads=2, dense_alpha=1.05)
+    report = hs.transfer_attention(model, [batch(seed=5)], steps=5, dense_heads=2)
     assert len(report["dense_heads"]) == 2
     learned = [m for m in model.modules() if isinstance(m, LearnedAlpha)]
     for layer, head in report["dense_heads"]:
-        assert float(learned[layer]().detach().flatten()[head]) == pytest.approx(1.05, abs=1e-6)
-        assert report["layers"][layer]["alphas"][head] == pytest.approx(1.05, abs=1e-6)
+        assert float(learned[layer]().detach().flatten()[head]) == pytest.approx(1.2, abs=1e-6)
+        assert report["layers"][layer]["alphas"][head] == pytest.approx(1.2, abs=1e-6)
     others = [a for i, l in enumerate(report["layers"]) for h, a in enumerate(l["alphas"])
               if [i, h] not in report["dense_heads"]]
-    assert all(abs(a - 1.05) > 1e-3 for a in others)
+    assert all(a >= 1.125 - 1e-6 for a in others)  # the default bound: the lowest alpha the float32 kernels serve
 
 
 def test_wide_heads_by_group_take_whole_key_value_groups():
@@ -223,7 +223,7 @@ def test_min_alpha_bounds_the_fitted_alphas_and_at_the_target_leaves_them_there(
     parent = tiny_llama(seed=6)
     options = {"alpha": 1.5, "learn_alpha": True, "temperature": True}
     free = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect", attn_options=options),
-                                 [batch(seed=7)], steps=20)
+                                 [batch(seed=7)], steps=20, min_alpha=None)
     bounded = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect",
                                                    attn_options=options), [batch(seed=7)], steps=20, min_alpha=1.4)
     at_target = hs.transfer_attention(hs.patch_model(copy.deepcopy(parent), attn="entmax_bisect",

@@ -23,8 +23,8 @@ fit holds one layer's gradient at a time.
 
 Heads kept wide (``dense_heads``, hybrid attention): after the fit, the heads whose share of their layer's
 error stays largest (``dense_heads`` a share of all query heads in (0, 1), or a count) have their alpha set
-to ``dense_alpha`` (default 1.05: within ``1 / (alpha - 1) = 20`` score units of a row's top every key keeps a
-weight, so every key softmax weighs above ``e ** -20`` is kept) and their temperature fitted again at it. This
+to ``dense_alpha`` (default 1.2: within ``1 / (alpha - 1) = 5`` score units of a row's top every key keeps a
+weight; 1.125 is the lowest alpha the float32 kernels serve) and their temperature fitted again at it. This
 needs per-head alphas (``learn_alpha``). Under grouped-query attention a key-value head shared by a wide head
 and sparse ones is read for all of them: the share of keys never read counts key-value heads, and a wide head
 costs its whole group's skipping (choose by group with ``by_group=True``: the groups whose summed error share
@@ -48,7 +48,10 @@ from ..swaps.calibration import ROUNDS, Record, fit_layer, record_layers, refere
 DEFAULT_STEPS = 40
 DEFAULT_LEARNING_RATE = 0.05
 DEFAULT_ROWS = 256
-DEFAULT_DENSE_ALPHA = 1.05
+FAST_ALPHA = 1.125  # the lowest alpha the float32 kernels serve (mappings.entmax.precise_in_float32); below it a
+#                    layer's every path (training blocks, the fused kernel, the certificate) is the float64 torch path
+DEFAULT_DENSE_ALPHA = 1.2  # heads kept wide: every key within 1 / (alpha - 1) = 5 score units of a row's top
+DEFAULT_MIN_ALPHA = FAST_ALPHA
 
 
 def pre_alpha_of(alpha: float) -> float:
@@ -159,7 +162,7 @@ def check_budget(dense_heads, total: float) -> int:
 def check_arguments(steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
                     rows_per_batch: int = DEFAULT_ROWS, dense_heads: float | int = 0,
                     dense_alpha: float = DEFAULT_DENSE_ALPHA, by_group: bool = False,
-                    min_alpha: float | None = None) -> None:
+                    min_alpha: float | None = DEFAULT_MIN_ALPHA) -> None:
     """:func:`transfer_attention`'s options, or a ``ValueError`` naming the first one out of range."""
     if min_alpha is not None and (isinstance(min_alpha, bool) or not isinstance(min_alpha, (int, float))
                                   or not 1 < min_alpha < 2):
@@ -180,7 +183,7 @@ def check_arguments(steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_L
 def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int = DEFAULT_STEPS,
                        learning_rate: float = DEFAULT_LEARNING_RATE, rows_per_batch: int = DEFAULT_ROWS,
                        dense_heads: float | int = 0, dense_alpha: float = DEFAULT_DENSE_ALPHA,
-                       by_group: bool = False, min_alpha: float | None = None,
+                       by_group: bool = False, min_alpha: float | None = DEFAULT_MIN_ALPHA,
                        progress: bool = False) -> dict[str, Any]:
     """Fit each attention layer of a patched model to the model's own softmax attention (module docstring).
 
@@ -189,9 +192,9 @@ def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int =
     long blocks of the user's text (dicts of model inputs, ``labels`` ignored), as long as the contexts the model
     will see. ``steps`` / ``learning_rate``: Adam on each layer's error (0 steps: the calibration grid alone);
     ``rows_per_batch``: query rows of each batch the fit reads; ``min_alpha``: learned alphas kept at or above it
-    (fitted freely, the alphas fall towards 1, softmax's shape, and the supports widen: the bound trades the
-    fit for sparsity; at the patched alpha, the alphas stay there and only the temperatures and the length scale
-    move); ``dense_heads``, ``dense_alpha``, ``by_group``: heads kept wide (module docstring; 0: none).
+    (default 1.125, the lowest alpha the float32 kernels serve; None: no bound). Fitted freely the alphas fall
+    towards 1, softmax's shape, and the supports widen: a higher bound trades the fit for sparsity; at the patched
+    alpha the alphas stay there and only the temperatures and the length scale move; ``dense_heads``, ``dense_alpha``, ``by_group``: heads kept wide (module docstring; 0: none).
 
     The fitted temperatures go to the modules and ``config.hf_sparsemax`` (``save_pretrained`` keeps them), the
     alphas and length scales to their parameters (saved with the weights). Returns ``{"layers": [{"layer",
