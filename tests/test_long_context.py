@@ -270,7 +270,9 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
     shrink = [f"model={tiny_llama}", "training.max_steps=2", "data.block_size=64", "data.train_size=2",
               "data.eval_size=1", "eval.max_new_tokens=2", "eval.heatmap_layer=0", "eval.prompts=[The]",
               "eval.long_context={documents: 1, length: 700, contexts: [600, 2200], depths: [0.5], trials: 1, "
-              "rope_factor: 2.0, zeros_length: 64, decode_context: 2200, decode_steps: 2}"]
+              "rope_factor: 2.0, zeros_length: 64, decode_context: 2200, decode_steps: 2}",
+              "variants.entmax_transferred.transfer={blocks: 1, block_size: 128, steps: 2, rows_per_batch: 16, "
+              "dense_heads: 1}"]  # a reduced transfer, one head kept wide: a hybrid model served at length
     heatmap = []  # the heatmap head's share of zeros, as the comparison computes it
     monkeypatch.setattr(report, "zero_share", lambda weights, share=report.zero_share: heatmap.append(share(weights))
                         or heatmap[-1])
@@ -281,8 +283,10 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
 
     monkeypatch.setattr(lc, "forward_document", forward_document)
     assert run("compare", "convert_long", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
-    names = ["softmax_ce", "entmax15_swap", "entmax15_converted", "entmax15_converted_length"]
-    assert len(heatmap) == 2 * len(names)  # each run's, then the report's figure titles
+    names = ["softmax_ce", "entmax15_swap", "entmax15_converted", "entmax_transferred"]
+    per_head = sum(len(layer) for name in names for layer in json.loads(  # a learned alpha's heads, each counted
+        (out / f"{name}-seed0" / "results.json").read_text()).get("attention_zero_heads") or [])
+    assert len(heatmap) == 2 * len(names) + per_head  # each run's (and its heads'), then the report's figure titles
     for name, zeros in zip(names, heatmap):
         result = json.loads((out / f"{name}-seed0" / "results.json").read_text())
         assert result["attention_zero_share"] == zeros and result["attention_zero_share_at_length"] == 0.125
@@ -293,6 +297,12 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
         parts = result["part_seconds"]  # where the time went: [wall, cpu] seconds of each part
         assert {"prepare", "train", "evaluate", "decoders_and_samples", "heatmap", "long_context"} <= set(parts)
         assert ("calibrate" in parts) == (name.startswith("entmax15_converted"))
+        assert ("transfer" in parts) == ("transfer" in result) == (name == "entmax_transferred")
+        if name == "entmax_transferred":
+            transfer = result["transfer"]
+            assert len(transfer["dense_heads"]) == 1 and transfer["block_size"] == 128
+            assert transfer["error_after"] <= transfer["error_calibrated"] <= transfer["error_before"]
+            assert result["distill"]["logit_weight"] == 1.0
         assert all(len(pair) == 2 and min(pair) >= 0 for pair in parts.values())
         seconds = result["long_context"]["passkey_seconds"]
         assert set(seconds) == {"600", "2200"} and all(set(p) == {"prefix", "prompt"} for p in seconds.values())
@@ -304,6 +314,7 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
     text = (out / "report.md").read_text()
     assert "## At length" in text and "Passkey accuracy at 2200 tokens, rope x2.0" in text
     assert "(passkey_heatmap.png)" in text and (out / "passkey_heatmap.png").is_file()
+    assert "Attention transfer" in text and "| entmax_transferred | 0 | 1 x 128 |" in text
 
 
 def test_the_length_scale_trains_at_its_own_learning_rate(model, tmp_path):
@@ -330,5 +341,6 @@ def test_the_length_scale_trains_at_its_own_learning_rate(model, tmp_path):
     assert not any(id(p) in scales for g in groups if g is not own[0] for p in g["params"])
     with pytest.raises(RecipeError, match="scale_learning_rate is the learning rate of learned query scales"):
         load_recipe("convert_long", ["variants.entmax15_converted.scale_learning_rate=0.05"])
-    assert load_recipe("convert_long", ["variants.entmax15_converted_length.scale_learning_rate=5e-2"]).variant(
-        "entmax15_converted_length").scale_learning_rate == 0.05
+    length = ["variants.entmax15_converted.attn_options={temperature: true, length_scale: true}",
+              "variants.entmax15_converted.scale_learning_rate=5e-2"]
+    assert load_recipe("convert_long", length).variant("entmax15_converted").scale_learning_rate == 0.05
