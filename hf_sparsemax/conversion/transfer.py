@@ -39,11 +39,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .._model import base_model
 from ..attention.interface import ALPHA_ATTR, OPTIONS_ATTR, scaled_attention_forward
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, apply_factor, query_factor, submodule
-from ..settings import SparseSettings
-from ..swaps.calibration import ROUNDS, Record, fit_layer, record_layers, reference_energy, store_temperatures
+from ..swaps.calibration import (ROUNDS, Record, fit_layer, record_layers, reference_energy, store_temperatures,
+                                 tempered_modules)
 
 DEFAULT_STEPS = 40
 DEFAULT_LEARNING_RATE = 0.05
@@ -203,13 +202,8 @@ def transfer_attention(model, batches: Iterable[dict[str, Any]], *, steps: int =
     batches, per layer and their means.
     """
     check_arguments(steps, learning_rate, rows_per_batch, dense_heads, dense_alpha, by_group, min_alpha)
-    inner = base_model(model)
-    settings = SparseSettings.from_config(inner.config)
-    modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
-    if settings is None or settings.attention_options is None or not modules:
-        raise ValueError("transfer_attention needs a model patched with a sparse attention and per-head "
-                         "temperatures: hf_sparsemax.patch_model(model, attn=..., attn_options={'temperature': True})")
-    heads = [getattr(m, TEMPERATURE_ATTR).values.__len__() for m in modules]
+    inner, settings, modules = tempered_modules(model, "transfer_attention")
+    heads = [len(getattr(m, TEMPERATURE_ATTR).values) for m in modules]
     budget = check_budget(dense_heads, sum(heads))
     if budget and any(submodule(m, ALPHA_ATTR) is None for m in modules):
         raise ValueError("dense_heads sets an alpha per head: patch with attn='entmax_bisect' and attn_options="

@@ -204,6 +204,18 @@ def fit_layer(module: nn.Module, records: list[Record], rounds: int) -> tuple[li
     return best_t.tolist(), float(before.sum()) / energy, float(best_error.sum()) / energy
 
 
+def tempered_modules(model, caller: str) -> tuple[nn.Module, SparseSettings, list[nn.Module]]:
+    """``(inner model, its settings, its attention modules with per-head temperatures)``, or a ``ValueError``
+    saying how to patch the model for ``caller``."""
+    inner = base_model(model)
+    settings = SparseSettings.from_config(inner.config)
+    modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
+    if settings is None or settings.attention_options is None or not modules:
+        raise ValueError(f"{caller} needs a model patched with a sparse attention and per-head temperatures: "
+                         "hf_sparsemax.patch_model(model, attn=..., attn_options={'temperature': True})")
+    return inner, settings, modules
+
+
 def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int = ROUNDS,
                         rows_per_batch: int = ROWS_PER_BATCH) -> dict[str, Any]:
     """Fit the per-head temperatures of a model patched with ``attn_options={"temperature": True}`` (or a list)
@@ -223,12 +235,7 @@ def calibrate_attention(model, batches: Iterable[dict[str, Any]], *, rounds: int
         raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
     if isinstance(rows_per_batch, bool) or not isinstance(rows_per_batch, int) or rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be a positive integer, got {rows_per_batch!r}")
-    inner = base_model(model)
-    settings = SparseSettings.from_config(inner.config)
-    modules = [m for m in inner.modules() if isinstance(m._modules.get(TEMPERATURE_ATTR), nn.Module)]
-    if settings is None or settings.attention_options is None or not modules:
-        raise ValueError("calibrate_attention needs a model patched with a sparse attention and per-head "
-                         "temperatures: hf_sparsemax.patch_model(model, attn=..., attn_options={'temperature': True})")
+    inner, settings, modules = tempered_modules(model, "calibrate_attention")
     records = record_layers(model, modules, batches, rows_per_batch)
     layers = []
     for index, module in enumerate(modules):
