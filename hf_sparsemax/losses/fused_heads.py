@@ -61,6 +61,7 @@ HEAD_TRANSFORMS: dict[str, HeadTransform] = {  # config.model_type -> its causal
     "gpt_neox": PLAIN,
     "opt": PLAIN,
     "gptj": PLAIN,  # lm_head with a bias
+    "falcon": PLAIN,
     "gemma2": GEMMA_CAP,
     "gemma3_text": GEMMA_CAP,
     "granite": HeadTransform(divide="config.logits_scaling"),
