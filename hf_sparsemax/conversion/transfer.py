@@ -41,6 +41,7 @@ from torch import nn
 
 from ..attention.interface import ALPHA_ATTR, OPTIONS_ATTR, scaled_attention_forward
 from ..attention.query_scale import LENGTH_SCALE_ATTR, TEMPERATURE_ATTR, apply_factor, query_factor, submodule
+from .schedule import pre_alpha_of
 from ..swaps.calibration import (ROUNDS, Record, fit_layer, record_layers, reference_energy, store_temperatures,
                                  tempered_modules)
 
@@ -51,11 +52,6 @@ FAST_ALPHA = 1.125  # the lowest alpha the float32 kernels serve (mappings.entma
 #                    layer's every path (training blocks, the fused kernel, the certificate) is the float64 torch path
 DEFAULT_DENSE_ALPHA = 1.2  # heads kept wide: every key within 1 / (alpha - 1) = 5 score units of a row's top
 DEFAULT_MIN_ALPHA = FAST_ALPHA
-
-
-def pre_alpha_of(alpha: float) -> float:
-    """``sigmoid^-1(alpha - 1)``: the ``pre_alpha`` of :class:`~hf_sparsemax.attention.LearnedAlpha` for ``alpha``."""
-    return math.log((alpha - 1) / (2 - alpha))
 
 
 def layer_errors(module: nn.Module, records: list[Record], log_temperature: torch.Tensor) -> torch.Tensor:
