@@ -79,16 +79,21 @@ def run(case, folder):
 
     grpo.vllm_generation.generate = checked_generate
     seen["vllm_dtype"] = str(grpo.vllm_generation.llm.llm_engine.model_config.dtype)
+    train_recorded(grpo, seen)
+    seen["log"] = [{k: v for k, v in entry.items() if k.startswith("sampling/") or k in ("loss", "grad_norm")}
+                   for entry in grpo.state.log_history if "loss" in entry]
+    return seen
+
+
+def train_recorded(grpo, seen: dict) -> None:
+    """``grpo.train()``, warnings quiet; a refusal (ValueError) kept as ``seen["error"]``, the steps as ``"steps"``."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             grpo.train()
     except ValueError as error:
         seen["error"] = str(error)
-    seen["log"] = [{k: v for k, v in entry.items() if k.startswith("sampling/") or k in ("loss", "grad_norm")}
-                   for entry in grpo.state.log_history if "loss" in entry]
     seen["steps"] = grpo.state.global_step
-    return seen
 
 
 if __name__ == "__main__":

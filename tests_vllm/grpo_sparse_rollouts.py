@@ -28,6 +28,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 import hf_sparsemax as hs  # noqa: E402
+from grpo_rollouts import train_recorded  # noqa: E402  (this folder: the worker runs as a script)
 
 PROMPTS = ["The capital of France is", "Once upon a time, a little", "def fibonacci(n):", "My favourite food is"]
 TOKENS = 8
@@ -115,13 +116,7 @@ def main(folder, out):
         return result
 
     grpo.vllm_generation.generate = checked_generate
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            grpo.train()
-    except ValueError as error:
-        seen["error"] = str(error)
-    seen["steps"] = grpo.state.global_step
+    train_recorded(grpo, seen)
     with open(out, "w") as handle:
         json.dump(seen, handle)
     os._exit(0)  # the colocated engine: no shutdown handshake
