@@ -221,6 +221,8 @@ def add_bench_commands(commands) -> None:
     serving.add_argument("--new-tokens", type=int, help="tokens each request decodes (default 64)")
     serving.add_argument("--batch", type=int, nargs="+", help="requests at once (default 8)")
     serving.add_argument("--attn", default="entmax15", help="the sparse folder's attention (default entmax15)")
+    serving.add_argument("--folder", help="time this saved folder (sparse attention, e.g. a converted variant's "
+                                          "merged <variant>/serve) against its softmax twin instead of --attn")
     serving.add_argument("--sampling", action="store_true",
                          help="the sampling processors' cost instead (requests sampling each loss's distribution "
                               "against requests that opt out; default file runs/bench/serving-sampling.json)")

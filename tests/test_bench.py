@@ -159,3 +159,43 @@ def test_serving_saves_the_sparse_folder_and_its_softmax_twin(tmp_path):
     short, long = serving.prompts(0, 2), serving.prompts(300, 2)
     assert len(short) == 2 and all(isinstance(p, str) for p in short)
     assert [len(p["prompt_token_ids"]) for p in long] == [300, 300] and long[0] != long[1]
+
+
+def test_a_users_folder_is_timed_against_its_softmax_twin(tmp_path, capsys):
+    """--folder: the folder itself and a twin with the same weights, saved with the attention unpatched (no
+    hf_sparsemax settings, no learned alphas); a folder without sparse attention, or prompts past its positions,
+    are refused in one line; --folder with --sampling too."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_sparsemax as hs
+    from hf_sparsemax.app.bench import serving
+    from test_recipes import char_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=105, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    tokenizer = char_tokenizer()
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    tokenizer.save_pretrained(plain)
+    hs.patch_model(model, attn="entmax_bisect", attn_options={"alpha": 1.5, "learn_alpha": True})
+    converted = tmp_path / "converted"
+    model.save_pretrained(converted)
+    tokenizer.save_pretrained(converted)
+    folders = serving.folder_and_twin(str(tmp_path / "work"), str(converted), 256)
+    assert list(folders) == ["softmax", "converted (entmax_bisect)"] and folders["converted (entmax_bisect)"] == str(
+        converted)
+    twin = AutoModelForCausalLM.from_pretrained(folders["softmax"])
+    assert not hasattr(twin.config, "hf_sparsemax") and twin.config._attn_implementation != "entmax_bisect"
+    ids = torch.tensor([[5, 9, 17, 3, 60]])
+    plain_model = AutoModelForCausalLM.from_pretrained(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, plain_model(ids).logits)
+    assert set(twin.state_dict()) == set(plain_model.state_dict())
+    with pytest.raises(ValueError, match="was not saved with hf_sparsemax attention"):
+        serving.folder_and_twin(str(tmp_path / "work2"), str(plain), 64)
+    with pytest.raises(ValueError, match="prompts of 300 tokens .* past the folder's 256 positions"):
+        serving.folder_and_twin(str(tmp_path / "work3"), str(converted), 300)
+    assert cli.main(["bench", "serving", "--folder", str(converted), "--sampling", "--smoke"]) == 2
+    assert "one at a time" in capsys.readouterr().err

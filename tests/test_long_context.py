@@ -34,6 +34,19 @@ def test_cross_entropy_by_position_is_the_models_own_loss(model):
     assert got["150-400"] == pytest.approx(float(reference[149:].mean()), rel=1e-5)
 
 
+def test_the_parent_at_length_is_the_unpatched_models_cross_entropy_by_position(model):
+    """parent_at_length: the same buckets as cross_entropy_by_length of the model as loaded, on the same documents;
+    an empty document list is refused."""
+    torch.manual_seed(3)
+    documents = [torch.randint(0, 105, (200,)), torch.randint(0, 105, (200,))]
+    spec = lc.LongSpec(length=200, documents=2)
+    got = lc.parent_at_length(model, documents, spec)
+    assert got["cross_entropy_by_length"] == lc.cross_entropy_by_length(model, documents)
+    assert set(got["cross_entropy_by_length"]) == {"0-512"} and got["seconds"] >= 0
+    with pytest.raises(ValueError, match="at least one document"):
+        lc.parent_at_length(model, [], spec)
+
+
 @pytest.mark.parametrize("attn", ["softmax", "entmax15"])
 def test_the_zeros_are_counted_in_the_documents_own_pass(model, attn):
     """forward_document with zeros_length: the losses of one plain forward over the whole document, and the zero
@@ -219,7 +232,8 @@ def test_bad_long_context_settings_are_refused():
         lc.long_spec({"rope_factor": 1})
     with pytest.raises(RecipeError, match="trials must be a positive integer"):
         lc.long_spec({"trials": 0})
-    assert load_recipe("convert_long").eval.long_context.contexts == [2048, 4096, 8192, 16384]
+    spec = load_recipe("convert_long").eval.long_context  # cells of 5 trials at 3 depths, 8192 decoded
+    assert spec.contexts == [4096, 8192] and len(spec.depths) == 3 and spec.trials == 5 and spec.decode_context == 8192
 
 
 def run_of(name, ce, passkey, never=0.995):
@@ -261,6 +275,25 @@ def test_a_transferred_variant_gets_the_targets_and_its_layers_residuals_in_the_
     assert "Attention transfer" not in "\n".join(long_report.section([soft]))
 
 
+def test_the_parent_is_the_first_row_and_a_converted_variant_never_far_above_it():
+    """The untrained parent's cross-entropy: the table's first row (its gap to softmax_ce beside it), and the target
+    "never more than 0.5% above the parent in any bucket" per converted variant, met or MISSED with each gap."""
+    soft = run_of("softmax_ce", {"0-512": 2.0, "512-2048": 2.0}, {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}}, None)
+    converted = run_of("entmax_transferred", {"0-512": 2.02, "512-2048": 1.99},
+                       {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}})
+    parent = {"cross_entropy_by_length": {"0-512": 2.0, "512-2048": 2.05}, "seconds": 1.0}
+    text = "\n".join(long_report.section([soft, converted], parent))
+    lines = text.splitlines()
+    first = lines.index("| variant | seeds | CE 0-512 | CE 512-2048 | exact zeros | keys never read |") + 2
+    assert lines[first] == "| parent, before any training | | 2.000 (+0.0%) | 2.050 (+2.5%) | | |"
+    assert lines[first + 1].startswith("| softmax_ce | 1 | 2.000 | 2.000 |")
+    assert ("`entmax_transferred` never more than 0.5% above the untrained parent's held-out CE in any bucket: "
+            "**MISSED**: 0-512: +1.0%, 512-2048: -2.9%.") in text
+    converted["cross_entropy_by_length"]["0-512"] = 2.008
+    assert "any bucket: **met**: 0-512: +0.4%, 512-2048: -2.9%." in "\n".join(long_report.section([converted], parent))
+    assert "untrained parent" not in "\n".join(long_report.section([soft, converted]))
+
+
 @pytest.mark.slow
 def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):  # noqa: F811
     """recipes/convert_long.yaml shrunk to the tiny Llama (2048 positions): every variant, the long keys in each
@@ -283,7 +316,7 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
 
     monkeypatch.setattr(lc, "forward_document", forward_document)
     assert run("compare", "convert_long", "--output", out, *(a for s in shrink for a in ("--set", s))) == 0
-    names = ["softmax_ce", "entmax15_swap", "entmax15_converted", "entmax_transferred"]
+    names = ["softmax_ce", "entmax15_converted", "entmax_transferred"]
     per_head = sum(len(layer) for name in names for layer in json.loads(  # a learned alpha's heads, each counted
         (out / f"{name}-seed0" / "results.json").read_text()).get("attention_zero_heads") or [])
     assert len(heatmap) == 2 * len(names) + per_head  # each run's (and its heads'), then the report's figure titles
@@ -315,6 +348,9 @@ def test_the_convert_long_recipe_runs_on_a_tiny_model(tiny_llama, tmp_path, monk
     assert "## At length" in text and "Passkey accuracy at 2200 tokens, rope x2.0" in text
     assert "(passkey_heatmap.png)" in text and (out / "passkey_heatmap.png").is_file()
     assert "Attention transfer" in text and "| entmax_transferred | 0 | 1 x 128 |" in text
+    parent = json.loads((out / "parent_at_length.json").read_text())  # measured once, before any variant
+    assert set(parent["cross_entropy_by_length"]) == {"0-512", "512-2048"}
+    assert "| parent, before any training | |" in text and "above the untrained parent's held-out CE" in text
 
 
 def test_the_length_scale_trains_at_its_own_learning_rate(model, tmp_path):

@@ -382,6 +382,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         long = (held_out_documents(recipe.eval.long_context, recipe.data, tokenizer), recipe.eval.long_context)
     note_replacement(final)
     start_work(work, resume)
+    parent = None if long is None else parent_at_length(base, long, work, resume)
     results, maps, histories, heldout = [], {}, {}, {}
     for number, (folder, variant) in enumerate(runs, 1):
         say(f"[{number}/{len(runs)}] {folder}: {changes(recipe, variant)}")
@@ -427,7 +428,7 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
         if long_report.plot_passkey(results, os.path.join(work, "passkey_heatmap.png")):
             figures.append("passkey_heatmap.png")
         report.write_report(work, recipe, table, seconds, figures, runs=firsts,
-                            extra=convert_report.conversion_section(results) + long_report.section(results),
+                            extra=convert_report.conversion_section(results) + long_report.section(results, parent),
                             peak_rss=peak_rss(), heatmap=(layer, recipe.eval.heatmap_head))
         runner.write_json(os.path.join(work, "results.json"), table)
         runner.write_json(os.path.join(work, "recipe.json"), recipe.to_dict())
@@ -436,6 +437,22 @@ def compare_variants(recipe: Recipe, runs: list[tuple[str, Variant]], final: str
 
     return {"folder": final, "seconds": round(seconds, 1), "results": table, "peak_rss": peak_rss(),
             "verdict": verdict(table, recipe.task, peak_rss())}
+
+
+def parent_at_length(base, long, work: str, resume: bool) -> dict[str, Any] | None:
+    """The untrained parent's held-out cross-entropy by position (:func:`.long_context.parent_at_length`), measured
+    once per comparison on the main process into ``<work>/parent_at_length.json`` (read back on ``--resume``)."""
+    from . import long_context
+
+    path = os.path.join(work, "parent_at_length.json")
+    if resume and os.path.isfile(path):
+        return runner.read_json(path)
+    if not is_main_process():
+        return None
+    say("the parent before any training, at length")
+    parent = long_context.parent_at_length(base, *long)
+    runner.write_json(path, parent)
+    return parent
 
 
 def peak_rss() -> float | None:

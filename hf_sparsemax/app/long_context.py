@@ -183,6 +183,17 @@ def bucket_means(losses: list[torch.Tensor], buckets=BUCKETS) -> dict[str, float
     return {name: s / n for name, (s, n) in sums.items()}
 
 
+def parent_at_length(model, documents: list[torch.Tensor], spec: LongSpec) -> dict[str, Any]:
+    """The model as loaded, before any patch or training step: its held-out ``cross_entropy_by_length`` on the
+    same documents (the report's parent row, the reference of "never worse than the parent"), and the wall
+    ``seconds`` it took."""
+    if not documents:
+        raise ValueError("the evaluation at length needs at least one document")
+    start = time.perf_counter()
+    losses = [forward_document(model, ids, spec.rope_factor)[0] for ids in documents]
+    return {"cross_entropy_by_length": bucket_means(losses), "seconds": round(time.perf_counter() - start, 1)}
+
+
 def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
                             rope_factor: float | None = None) -> dict[str, float]:
     """``{"lo-hi": mean cross-entropy of the tokens at positions [lo, hi)}`` over ``documents`` (module docstring)."""

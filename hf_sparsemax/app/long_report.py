@@ -13,7 +13,9 @@ accuracy (depth x context) per variant. The targets, each checked when the varia
   than :data:`CELL_MARGIN` under ``softmax_ce``'s in any cell, and on average at least equal;
 - ``entmax15_converted_length``: at the contexts past the positions (rope extended) at least ``softmax_ce``'s
   accuracy on average;
-- every sparse variant: at least :data:`MIN_NEVER_READ` of the keys never read at the decoding context.
+- every sparse variant: at least :data:`MIN_NEVER_READ` of the keys never read at the decoding context;
+- each converted variant, where the parent was measured (the untrained model's cross-entropy by position, the
+  table's first row): never more than :data:`PARENT_MARGIN` above the parent's in any bucket.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from .seeds import by_variant
 
 CE_MARGIN = 0.02
+PARENT_MARGIN = 0.005
 CELL_MARGIN = 0.10
 MIN_NEVER_READ = 0.95
 MIN_ZEROS = 0.90
@@ -107,11 +110,25 @@ def cells(row: dict[str, Any], short: bool) -> dict[tuple[str, str], float]:
             for d, v in depths.items()}
 
 
-def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
+def parent_lines(rows: dict[str, dict[str, Any]], parent: dict[str, float]) -> list[str]:
+    """The target against the untrained parent's cross-entropy by position, for each converted variant."""
+    lines = []
+    for name in CONVERTED:
+        conv = rows.get(name)
+        if conv is None:
+            continue
+        gaps = {b: conv["ce"][b] / parent[b] - 1 for b in parent if b in conv["ce"]}
+        text = ", ".join(f"{b}: {g:+.1%}" for b, g in gaps.items())
+        lines.append(f"- `{name}` never more than {PARENT_MARGIN:.1%} above the untrained parent's held-out CE in "
+                     f"any bucket: **{verdict(all(g <= PARENT_MARGIN for g in gaps.values()))}**: {text}.")
+    return lines
+
+
+def targets(rows: dict[str, dict[str, Any]], parent: dict[str, float] | None = None) -> list[str]:
     """Report lines for each target whose variants ran (module docstring)."""
     soft, lines = rows.get("softmax_ce"), []
     if soft is None:
-        return lines
+        return parent_lines(rows, parent) if parent else lines
     length = rows.get("entmax15_converted_length")
     for name in CONVERTED:
         conv = rows.get(name)
@@ -146,15 +163,16 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
         if name != "softmax_ce" and row["never"] is not None:
             lines.append(f"- `{name}` decoding at {row['spec']['decode_context']} tokens with >= {MIN_NEVER_READ:.0%} "
                          f"keys never read: **{verdict(row['never'] >= MIN_NEVER_READ)}**: {row['never']:.2%}.")
-    return lines
+    return lines + (parent_lines(rows, parent) if parent else [])
 
 
 def percent(value) -> str:
     return "" if value is None else f"{value:.0%}"
 
 
-def section(results: list[dict[str, Any]]) -> list[str]:
-    """report.md lines: the tables at length (means over seeds), the decoding speed, the targets."""
+def section(results: list[dict[str, Any]], parent: dict[str, Any] | None = None) -> list[str]:
+    """report.md lines: the tables at length (means over seeds), the decoding speed, the targets. ``parent``:
+    :func:`.long_context.parent_at_length` of the untrained model, the cross-entropy table's first row."""
     rows = summary(long_runs(results))
     if not rows:
         return []
@@ -172,6 +190,11 @@ def section(results: list[dict[str, Any]]) -> list[str]:
              "| variant | seeds | " + " | ".join(f"CE {b}" for b in buckets) + " | exact zeros | keys never read |",
              "|---|---:|" + "---:|" * (len(buckets) + 2)]
     soft = rows.get("softmax_ce")
+    before = (parent or {}).get("cross_entropy_by_length")
+    if before:
+        ce = " | ".join(f"{before[b]:.3f}" + (f" ({before[b] / soft['ce'][b] - 1:+.1%})" if soft is not None else "")
+                        for b in buckets)
+        lines.append(f"| parent, before any training | | {ce} | | |")
     for name, row in rows.items():
         ce = " | ".join(f"{row['ce'][b]:.3f}" + (f" ({row['ce'][b] / soft['ce'][b] - 1:+.1%})"
                                                   if soft is not None and name != "softmax_ce" else "")
@@ -195,9 +218,11 @@ def section(results: list[dict[str, Any]]) -> list[str]:
         if row["tps"] is not None:
             lines.append(f"| {name} | {row['tps']:.2f} | {row['sdpa_tps']:.2f} | {row['ratio']:.2f}x |")
     lines += transfer_lines(results)
-    return lines + ["", "Targets at length:", "", *(targets(rows) or ["- (the variants the targets name did not run)"]),
+    where = "; the parent's: `parent_at_length.json`" if before else ""
+    checked = targets(rows, before) or ["- (the variants the targets name did not run)"]
+    return lines + ["", "Targets at length:", "", *checked,
                     "", "Per run: `cross_entropy_by_length`, `passkey_accuracy`, `keys_never_read_by_context`, "
-                    "`decode` in each run's `results.json`; the heatmap: `passkey_heatmap.png`.", ""]
+                    f"`decode` in each run's `results.json`{where}; the heatmap: `passkey_heatmap.png`.", ""]
 
 
 def transfer_lines(results: list[dict[str, Any]]) -> list[str]:

@@ -11,6 +11,10 @@ decoding steps alone, ``tokens/s = batch * new tokens / (t_long - t_short)``, th
 Past SmolLM2's 8192 positions both folders get its rope interpolated linearly (x2 to 16384 tokens). Printed: both
 engines' decoding tokens/s and the sparse folder's as a multiple of its softmax twin's.
 
+``--folder F``: a saved folder of the user's (a sparse-attention model, e.g. a converted variant merged by
+``hf-sparsemax serve`` into ``<variant>/serve``) instead of the patched SmolLM2, timed against its softmax twin: the
+same weights saved with the attention unpatched (:func:`folder_and_twin`), within the folder's own positions.
+
 ``--sampling``: the cost of the library's sampling instead, in one engine serving a folder saved with the
 sparsemax loss: requests that opt out (``extra_args={"hf_sparsemax": "off"}``: vLLM samples softmax) against
 requests sampling each loss's distribution (the folder's, or another by request), tokens/s of whole requests,
@@ -86,6 +90,33 @@ def save_folders(root: str, names: dict[str, dict], tokens: int, layers: int | N
     return folders
 
 
+def folder_and_twin(root: str, folder: str, tokens: int) -> dict[str, str]:
+    """``--folder``: a saved model with hf_sparsemax attention (a converted or trained variant, LoRA merged) and its
+    softmax twin, the same weights saved with the attention unpatched (vLLM's own), in ``root``; a ``ValueError``
+    where the folder has no sparse attention or fewer positions than ``tokens``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ... import unpatch_model
+    from ...settings import CONFIG_KEY
+
+    config = AutoConfig.from_pretrained(folder)
+    attention = (getattr(config, CONFIG_KEY, None) or {}).get("attn")
+    if attention is None:
+        raise ValueError(f"{folder} was not saved with hf_sparsemax attention: nothing to time against its softmax "
+                         "twin (hf-sparsemax serve merges a LoRA variant into <variant>/serve on its first run)")
+    if tokens > config.max_position_embeddings:
+        raise ValueError(f"prompts of {tokens} tokens (--prompt-tokens and --new-tokens) are past the folder's "
+                         f"{config.max_position_embeddings} positions")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    twin = os.path.join(root, "softmax_twin")
+    unpatch_model(model).save_pretrained(twin)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(twin)
+    del model
+    gc.collect()
+    return {"softmax": twin, f"{os.path.basename(os.path.normpath(folder))} ({attention})": folder}
+
+
 def prompts(tokens: int, batch: int) -> list:
     """``batch`` prompts of ``tokens`` tokens each (a different passage each), or short text prompts for 0."""
     if tokens == 0:
@@ -135,11 +166,16 @@ def decoding_rates(llms: dict, plan: dict) -> list[dict]:
 
 def attention_run(args, plan: dict) -> tuple:
     longest = max(plan["prompt_tokens"]) + plan["new_tokens"] + 16
-    attention, options = timing.attention_spec(args.attn)
-    names = {"softmax": {}, args.attn: {"attn": attention, "attn_options": options}}
     llms = {}
     with tempfile.TemporaryDirectory() as root:
-        folders = save_folders(root, names, max(plan["prompt_tokens"]), plan["layers"])
+        if getattr(args, "folder", None):  # the folder's own positions: no margin past prompt + new tokens
+            longest -= 16
+            folders = folder_and_twin(root, args.folder, longest)
+        else:
+            attention, options = timing.attention_spec(args.attn)
+            names = {"softmax": {}, args.attn: {"attn": attention, "attn_options": options}}
+            folders = save_folders(root, names, max(plan["prompt_tokens"]), plan["layers"])
+        sparse_name = list(folders)[1]
         try:
             for name, folder in folders.items():
                 llms[name] = engine(folder, max(longest, 256))
@@ -151,12 +187,13 @@ def attention_run(args, plan: dict) -> tuple:
             gc.collect()
     rows, results = [], []
     for row in measured:
-        base, sparse = row["tokens_per_s"]["softmax"], row["tokens_per_s"][args.attn]
+        base, sparse = row["tokens_per_s"]["softmax"], row["tokens_per_s"][sparse_name]
         rows.append([row["prompt_tokens"] or "short", row["batch"], f"{base:.1f}", f"{sparse:.1f}",
                      f"{sparse / base:.2f}x"])
         results.append({**row, "ratio_to_softmax": sparse / base})
-    headers = ["prompt tokens", "batch", "softmax tokens/s", f"{args.attn} tokens/s", "x softmax"]
-    title = (f"SmolLM2-135M-Instruct served by vLLM: {args.attn} attention against its softmax twin, decoding "
+    headers = ["prompt tokens", "batch", "softmax tokens/s", f"{sparse_name} tokens/s", "x softmax"]
+    model = args.folder or "SmolLM2-135M-Instruct"
+    title = (f"{model} served by vLLM: {sparse_name} attention against its softmax twin, decoding "
              f"tokens/s ({plan['new_tokens']} new tokens a request, prefill timed apart; median of "
              f"{plan['repeats']} alternating rounds)")
     return title, headers, rows, results
@@ -227,6 +264,9 @@ def sampling_run(args, plan: dict) -> tuple:
 
 
 def run(args) -> dict:
+    if getattr(args, "folder", None) and args.sampling:
+        raise ValueError("--folder times a sparse-attention folder against its softmax twin, --sampling the sampling "
+                         "processors: one at a time")
     require_vllm()
     import torch
     import vllm
