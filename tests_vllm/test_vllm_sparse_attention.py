@@ -326,3 +326,23 @@ def test_a_bfloat16_folder_decodes_as_transformers_bfloat16_generate_up_to_ties(
         assert untied, name
     print(f"tokens equal to transformers' bfloat16 generate before any divergence (of {len(PROMPTS) * TOKENS}):",
           report)
+
+
+def test_bench_serving_times_a_saved_folder_against_its_softmax_twin(folders, tmp_path):
+    """`hf-sparsemax bench serving --folder` on the learned-alpha folder (an alpha of its own in every head, as a
+    transferred conversion saves): both engines start, decode the timed rounds, and the table gives each one's
+    tokens/s and their ratio."""
+    import json
+
+    import hf_sparsemax_cli as cli
+
+    path = tmp_path / "serving.json"
+    assert cli.main(["bench", "serving", "--folder", str(folders / "learned_alpha"), "--prompt-tokens", "200",
+                     "--new-tokens", "4", "--batch", "2", "--repeats", "1", "--json", str(path)]) == 0
+    found = json.loads(path.read_text())
+    (row,) = found["results"]
+    assert set(row["tokens_per_s"]) == {"softmax", "learned_alpha (entmax_bisect)"}
+    assert all(rate > 0 for rate in row["tokens_per_s"].values())
+    assert row["ratio_to_softmax"] == row["tokens_per_s"]["learned_alpha (entmax_bisect)"] / row["tokens_per_s"][
+        "softmax"]
+    assert found["table"]["headers"][3] == "learned_alpha (entmax_bisect) tokens/s"
