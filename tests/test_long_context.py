@@ -292,6 +292,8 @@ def test_the_parent_is_the_first_row_and_a_converted_variant_never_far_above_it(
     converted["cross_entropy_by_length"]["0-512"] = 2.008
     assert "any bucket: **met**: 0-512: +0.4%, 512-2048: -2.9%." in "\n".join(long_report.section([converted], parent))
     assert "untrained parent" not in "\n".join(long_report.section([soft, converted]))
+    other = {"cross_entropy_by_length": {"0-512": 2.0}}  # other buckets than the runs': no row, no target
+    assert "parent" not in "\n".join(long_report.section([soft, converted], other))
 
 
 @pytest.mark.slow

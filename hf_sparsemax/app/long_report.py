@@ -191,6 +191,8 @@ def section(results: list[dict[str, Any]], parent: dict[str, Any] | None = None)
              "|---|---:|" + "---:|" * (len(buckets) + 2)]
     soft = rows.get("softmax_ce")
     before = (parent or {}).get("cross_entropy_by_length")
+    if before and set(before) != set(buckets):  # a parent measured on other documents (a resumed, changed spec)
+        before = None
     if before:
         ce = " | ".join(f"{before[b]:.3f}" + (f" ({before[b] / soft['ce'][b] - 1:+.1%})" if soft is not None else "")
                         for b in buckets)
