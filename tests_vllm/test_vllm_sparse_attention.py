@@ -346,3 +346,17 @@ def test_bench_serving_times_a_saved_folder_against_its_softmax_twin(folders, tm
     assert row["ratio_to_softmax"] == row["tokens_per_s"]["learned_alpha (entmax_bisect)"] / row["tokens_per_s"][
         "softmax"]
     assert found["table"]["headers"][3] == "learned_alpha (entmax_bisect) tokens/s"
+
+
+def test_bench_serving_times_the_patched_smollm2_against_its_softmax_twin(tmp_path):
+    """`hf-sparsemax bench serving --smoke` as a user runs it without --folder: SmolLM2 (its first 6 layers) saved
+    twice, as it is and with entmax15 attention; both engines decode and the table gives the ratio."""
+    import json
+
+    import hf_sparsemax_cli as cli
+
+    path = tmp_path / "serving.json"
+    assert cli.main(["bench", "serving", "--smoke", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["results"]
+    assert set(row["tokens_per_s"]) == {"softmax", "entmax15"} and all(r > 0 for r in row["tokens_per_s"].values())
+    assert row["ratio_to_softmax"] == row["tokens_per_s"]["entmax15"] / row["tokens_per_s"]["softmax"]
