@@ -281,7 +281,7 @@ def test_the_parent_is_the_first_row_and_a_converted_variant_never_far_above_it(
     soft = run_of("softmax_ce", {"0-512": 2.0, "512-2048": 2.0}, {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}}, None)
     converted = run_of("entmax_transferred", {"0-512": 2.02, "512-2048": 1.99},
                        {"2048": {"0.5": 1.0}, "16384": {"0.5": 0.0}})
-    parent = {"cross_entropy_by_length": {"0-512": 2.0, "512-2048": 2.05}, "seconds": 1.0}
+    parent = {"cross_entropy_by_length": {"512-2048": 2.05, "0-512": 2.0}, "seconds": 1.0}  # as read back: text order
     text = "\n".join(long_report.section([soft, converted], parent))
     lines = text.splitlines()
     first = lines.index("| variant | seeds | CE 0-512 | CE 512-2048 | exact zeros | keys never read |") + 2

@@ -117,7 +117,7 @@ def parent_lines(rows: dict[str, dict[str, Any]], parent: dict[str, float]) -> l
         conv = rows.get(name)
         if conv is None:
             continue
-        gaps = {b: conv["ce"][b] / parent[b] - 1 for b in parent if b in conv["ce"]}
+        gaps = {b: conv["ce"][b] / parent[b] - 1 for b in conv["ce"] if b in parent}  # buckets in numeric order
         text = ", ".join(f"{b}: {g:+.1%}" for b, g in gaps.items())
         lines.append(f"- `{name}` never more than {PARENT_MARGIN:.1%} above the untrained parent's held-out CE in "
                      f"any bucket: **{verdict(all(g <= PARENT_MARGIN for g in gaps.values()))}**: {text}.")
