@@ -190,8 +190,8 @@ def parent_at_length(model, documents: list[torch.Tensor], spec: LongSpec) -> di
     if not documents:
         raise ValueError("the evaluation at length needs at least one document")
     start = time.perf_counter()
-    losses = [forward_document(model, ids, spec.rope_factor)[0] for ids in documents]
-    return {"cross_entropy_by_length": bucket_means(losses), "seconds": round(time.perf_counter() - start, 1)}
+    ce = cross_entropy_by_length(model, documents, rope_factor=spec.rope_factor)
+    return {"cross_entropy_by_length": ce, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def cross_entropy_by_length(model, documents: list[torch.Tensor], buckets=BUCKETS,
